@@ -1,0 +1,29 @@
+# make setup : a venv in .venv with torch (CPU wheel here) and hybridengine built in place
+# make demo  : set up, then run the main job
+# make test  : set up, then run the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hybridengine-installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+# torch first (the extension builds against it), then the package with --no-build-isolation.
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q setuptools wheel ninja
+	MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation -e '.[dev,bench]'
+	touch $@
+
+demo: setup
+	$(BIN)/hybridengine demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info hybridengine/_C*.so

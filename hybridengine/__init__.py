@@ -1,0 +1,10 @@
+"""hybridengine: one sharded parameter buffer for RL rollout and training."""
+
+from .buffer import FlatParamBuffer
+from .configs import MODEL_CONFIGS, model_config
+from .layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
+
+__version__ = "0.1.0"
+
+__all__ = ["FlatParamBuffer", "MODEL_CONFIGS", "model_config", "ParamSpec", "ShardedLayout",
+           "param_specs", "tp_role", "unit_of", "__version__"]

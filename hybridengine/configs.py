@@ -1,0 +1,64 @@
+"""Embedded model configs (no downloads): real shapes for benchmarks, tiny ones for tests and demos.
+
+Each entry is the keyword set of a transformers config class; `model_config(name)` builds the
+`PretrainedConfig`. Weights always come from random initialisation or a local folder.
+"""
+
+from __future__ import annotations
+
+import copy
+
+MODEL_CONFIGS: dict[str, dict] = {
+    # Qwen2.5-1.5B shapes: tied embeddings, q/k/v bias.
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    # Qwen2-7B shapes: untied LM head.
+    "qwen2-7b": dict(
+        model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    # A 32B-class config (Qwen2.5-32B shapes) for the scaling runs.
+    "qwen2.5-32b": dict(
+        model_type="qwen2", hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, tie_word_embeddings=False,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    # Tiny configs, one per supported family, for CPU tests and the demo. Odd-ish sizes on purpose.
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, vocab_size=130, tie_word_embeddings=False,
+        max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-5,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=64),
+    ),
+    "tiny-qwen2": dict(
+        model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, vocab_size=128, tie_word_embeddings=True,
+        max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    "tiny-qwen3": dict(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, intermediate_size=96, vocab_size=131,
+        tie_word_embeddings=False, max_position_embeddings=256, rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "tiny-mistral": dict(
+        model_type="mistral", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, intermediate_size=96, vocab_size=128, tie_word_embeddings=False,
+        max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
+    ),
+}
+
+
+def model_config(name: str):
+    """The transformers `PretrainedConfig` for an embedded config name."""
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"model config {name!r} is not embedded; known: {sorted(MODEL_CONFIGS)}")
+    from transformers import AutoConfig
+
+    kwargs = copy.deepcopy(MODEL_CONFIGS[name])
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
