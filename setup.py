@@ -38,7 +38,8 @@ def _extension():
     # torch's build reads TORCH_CUDA_ARCH_LIST; ours defaults to Hopper (sm_90) plus PTX.
     os.environ["TORCH_CUDA_ARCH_LIST"] = os.environ.get("HYBRIDENGINE_CUDA_ARCH_LIST", "9.0+PTX")
     print(f"hybridengine: building CPU + CUDA ops for {os.environ['TORCH_CUDA_ARCH_LIST']}")
-    cuda_sources = ["csrc/segment_copy_cuda.cpp"] + sorted(glob.glob("csrc/*.cu"))
+    # *_cuda.cpp: torch bindings of the CUDA code (host compiler); *.cu: kernels and driver calls.
+    cuda_sources = sorted(glob.glob("csrc/*_cuda.cpp")) + sorted(glob.glob("csrc/*.cu"))
     return CUDAExtension(
         "hybridengine._C", cpu_sources + cuda_sources,
         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]})
