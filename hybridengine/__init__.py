@@ -3,8 +3,11 @@
 from .buffer import FlatParamBuffer
 from .configs import MODEL_CONFIGS, model_config
 from .layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
+from .loading import load_model
+from .model import CausalLM, ModelConfig, RopeConfig
 
 __version__ = "0.1.0"
 
 __all__ = ["FlatParamBuffer", "MODEL_CONFIGS", "model_config", "ParamSpec", "ShardedLayout",
-           "param_specs", "tp_role", "unit_of", "__version__"]
+           "param_specs", "tp_role", "unit_of", "load_model", "CausalLM", "ModelConfig", "RopeConfig",
+           "__version__"]

@@ -1,7 +1,5 @@
 """Property tests of the slice-major layout over world sizes, TP degrees and awkward shapes."""
 
-import math
-
 import pytest
 import torch
 
@@ -9,39 +7,11 @@ from hybridengine import ops
 from hybridengine.layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
 from hybridengine.ops import segment_copy_ref
 
+from _models import MODELS, model_specs, reference_tp_slice
+
 pytestmark = pytest.mark.skipif(ops.EXTENSION_ERROR is not None, reason="hybridengine._C is not built")
 
 
-def model_specs(hidden, heads, kv_heads, head_dim, inter, vocab, layers=2, tied=False, qkv_bias=True, qk_norm=False):
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", (heads * head_dim, hidden)),
-                   (p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
-                   (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden))]
-        if qkv_bias:
-            shapes += [(p + "self_attn.q_proj.bias", (heads * head_dim,)),
-                       (p + "self_attn.k_proj.bias", (kv_heads * head_dim,)),
-                       (p + "self_attn.v_proj.bias", (kv_heads * head_dim,))]
-        if qk_norm:
-            shapes += [(p + "self_attn.q_norm.weight", (head_dim,)), (p + "self_attn.k_norm.weight", (head_dim,))]
-        shapes += [(p + "self_attn.o_proj.weight", (hidden, heads * head_dim)),
-                   (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
-                   (p + "mlp.down_proj.weight", (hidden, inter)),
-                   (p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))]
-    shapes.append(("model.norm.weight", (hidden,)))
-    if not tied:
-        shapes.append(("lm_head.weight", (vocab, hidden)))
-    return param_specs(shapes, head_dim=head_dim)
-
-
-# Awkward on purpose: odd hidden sizes, vocab not divisible by tg, head_dim 3, 24 heads (divisible by 1..8
-# except 5/7), intermediate a multiple of 24 so every tg in {1,2,3,4,6,8} divides it.
-MODELS = {
-    "odd-hidden": dict(hidden=75, heads=24, kv_heads=24, head_dim=3, inter=48, vocab=131),
-    "gqa-untied": dict(hidden=64, heads=24, kv_heads=24, head_dim=8, inter=96, vocab=97, qk_norm=True),
-    "tied-no-bias": dict(hidden=33, heads=24, kv_heads=24, head_dim=2, inter=24, vocab=50, tied=True, qkv_bias=False),
-}
 CASES = [(n, tg) for n in (1, 2, 3, 4, 6, 8) for tg in range(1, n + 1) if n % tg == 0]
 
 
@@ -131,18 +101,7 @@ def test_gen_views_are_tp_slices(world_size, tp_size):
             gen[g:g + unit.slice_numel] = pack(unit, natural)[t * unit.slice_numel:(t + 1) * unit.slice_numel]
         for s in specs:
             view = layout.gen_view(gen, s.name)
-            full = params[s.name]
-            if s.role == "replicated":
-                expected = full
-            elif s.role == "row":
-                expected = full.chunk(tp_size, dim=1)[t]
-            elif s.role == "column":
-                expected = full.chunk(tp_size, dim=0)[t]
-            else:  # vocab: ceil(V / tg) rows per slice, missing rows are zero padding
-                rows = math.ceil(full.shape[0] / tp_size)
-                expected = torch.zeros(rows, *full.shape[1:], dtype=full.dtype)
-                part = full[t * rows:(t + 1) * rows]
-                expected[:len(part)] = part
+            expected = reference_tp_slice(params[s.name], s.role, t, tp_size)
             assert torch.equal(view, expected), (s.name, t)
             assert view.data_ptr() >= gen.data_ptr()  # a view, not a copy
 

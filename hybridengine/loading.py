@@ -1,0 +1,168 @@
+"""`load_model`: a `CausalLM` from a transformers model, a config (seeded init) or a local safetensors folder.
+
+Every path builds a fresh model (and so a fresh flat buffer), fills it, checks that each parameter
+was written exactly once, and only then returns it: a failed load leaves nothing half-loaded behind.
+
+Checkpoint rules (each violation is a ValueError naming the tensor, and the file when there is one):
+- every model parameter must be present once, with its exact shape and a floating dtype (it is
+  converted to the model dtype);
+- any other tensor is an error, except non-parameter buffers HF used to save (`rotary_emb.inv_freq`)
+  and, for tied embeddings, an `lm_head.weight` equal to `model.embed_tokens.weight` after
+  conversion (older checkpoints and `state_dict()` of tied HF models carry both). A *different*
+  `lm_head.weight` in a tied checkpoint is an error: dropping it silently would change the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .model import CausalLM, ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def load_model(source, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               seed: int = 0) -> CausalLM:
+    """A `CausalLM` with `dtype` weights on `device`, every weight a view of `model.flat_buffer`.
+
+    source: a transformers `PreTrainedModel` (weights copied), a `PretrainedConfig` or `ModelConfig`
+    (random init from `seed`, HF style: normal(0, initializer_range) for linear/embedding weights,
+    ones for norms, zeros for biases), or a local folder with config.json and *.safetensors (one
+    file, or shards listed in model.safetensors.index.json). Never touches the network.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"load_model: dtype must be a floating torch.dtype, got {dtype!r}")
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    if isinstance(source, PreTrainedModel):
+        model = CausalLM(ModelConfig.from_hf(source.config), dtype=dtype, device=device)
+        _fill(model, ((name, t, "the given model's state_dict") for name, t in source.state_dict().items()))
+        return model
+    if isinstance(source, (PretrainedConfig, ModelConfig)):
+        config = source if isinstance(source, ModelConfig) else ModelConfig.from_hf(source)
+        model = CausalLM(config, dtype=dtype, device=device)
+        _init_weights(model, seed)
+        return model
+    if isinstance(source, (str, os.PathLike)):
+        return _load_folder(Path(source), dtype, device)
+    raise TypeError(f"load_model: source must be a PreTrainedModel, PretrainedConfig, ModelConfig or a folder "
+                    f"path, got {type(source).__name__}")
+
+
+@torch.no_grad()
+def _init_weights(model: CausalLM, seed: int) -> None:
+    # Draw on a CPU generator in fp32, parameter by parameter in buffer order, then convert: the
+    # same seed gives the same weights for every dtype and device.
+    gen = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range
+    for name, view in model.flat_buffer.views().items():
+        if name.endswith(".bias"):
+            view.zero_()
+        elif name.endswith("norm.weight"):
+            view.fill_(1.0)
+        else:
+            view.copy_(torch.empty(view.shape).normal_(0.0, std, generator=gen))
+
+
+@torch.no_grad()
+def _fill(model: CausalLM, tensors: Iterator[tuple[str, object, str]]) -> None:
+    """Copy (name, tensor-or-safetensors-slice, where) items into the model's buffer views, checking them.
+
+    A slice (from `safe_open.get_slice`) is checked from its header before its data is read.
+    """
+    views = model.flat_buffer.views()
+    seen: dict[str, str] = {}
+    tied_head: tuple[torch.Tensor, str] | None = None
+    for name, item, where in tensors:
+        if _IGNORED.search(name):
+            continue
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice: in {seen[name]} and in {where}")
+        tied_extra = name == _TIED_HEAD and model.config.tie_word_embeddings
+        if name not in views and not tied_extra:
+            raise ValueError(f"unexpected tensor {name!r} in {where}: not a parameter of this "
+                             f"{model.config.model_type} model")
+        shape, dtype, is_float = _header(item)
+        expected = tuple(views[_EMBED if tied_extra else name].shape)
+        if shape != expected:
+            raise ValueError(f"tensor {name!r} in {where} has shape {shape}, expected {expected}")
+        if not is_float:
+            raise ValueError(f"tensor {name!r} in {where} has dtype {dtype}, expected a floating dtype")
+        seen[name] = where
+        tensor = item if isinstance(item, torch.Tensor) else item[:]
+        if tied_extra:
+            tied_head = (tensor, where)
+        else:
+            views[name].copy_(tensor)
+    missing = [n for n in views if n not in seen]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"missing tensors: {shown}")
+    if tied_head is not None:
+        embed = views[_EMBED]
+        if not torch.equal(tied_head[0].to(embed.dtype).to(embed.device), embed):
+            raise ValueError(f"tensor {_TIED_HEAD!r} in {tied_head[1]} differs from {_EMBED!r}, but the config "
+                             f"ties the embeddings (tie_word_embeddings=True)")
+
+
+def _header(item) -> tuple[tuple[int, ...], str, bool]:
+    """(shape, dtype name, is floating) of a tensor or of a safetensors slice (header only, no data read)."""
+    if isinstance(item, torch.Tensor):
+        return tuple(item.shape), str(item.dtype), item.dtype.is_floating_point
+    st_dtype = item.get_dtype()  # safetensors names: F32, BF16, F8_E4M3, I64, U8, BOOL, ...
+    return tuple(item.get_shape()), st_dtype, st_dtype.startswith(("F", "BF"))
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the shards its index names, else model.safetensors,
+    else every *.safetensors."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{index} names shard {f.name!r}, which is not in {folder}")
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        raise ValueError(f"no *.safetensors files in {folder}" + (f" (found {other}: only safetensors "
+                         "checkpoints are supported)" if other else ""))
+    return files
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device) -> CausalLM:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint folder {str(folder)!r} does not exist or is not a directory")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"checkpoint folder {str(folder)!r} has no config.json")
+    # local_files_only: a folder path must never turn into a hub lookup.
+    hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    model = CausalLM(ModelConfig.from_hf(hf_config), dtype=dtype, device=device)
+    files = _checkpoint_files(folder)
+
+    def tensors():
+        for path in files:  # one file open at a time; each tensor read straight into its view
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_slice(name), f"file {path.name!r}"
+
+    _fill(model, tensors())
+    return model

@@ -1,0 +1,376 @@
+"""A compact Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) whose weights are views of one flat buffer.
+
+gpt-fast / nano-vllm style: one file, plain torch, single device. Module and parameter names are
+exactly the Hugging Face ones (`model.layers.0.self_attn.q_proj.weight`, ...) so safetensors load
+by name and `layout.param_specs` assigns TP roles. Every parameter is an `nn.Parameter` aliasing
+a view of `CausalLM.flat_buffer`; sharding and resharding act on that buffer from outside, so
+this file never imports `torch.distributed`.
+
+The forward is split for later work: `hidden_states()` (positions may be given, for packed
+sequences), `compute_logits()` (a fused loss takes the hidden states instead), and the module-level
+`attention()` that a paged-attention decode path can replace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .buffer import FlatParamBuffer
+from .layout import param_specs
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(kw_only=True, slots=True)
+class RopeConfig:
+    """Rotary position embedding parameters (HF `rope_parameters`, flattened)."""
+
+    rope_type: str = "default"
+    """'default', 'linear' (positions / factor) or 'llama3' (frequency-dependent scaling)."""
+    theta: float = 10000.0
+    factor: float = 1.0
+    """linear and llama3: the context extension factor."""
+    low_freq_factor: float = 1.0
+    """llama3 only."""
+    high_freq_factor: float = 4.0
+    """llama3 only."""
+    original_max_position_embeddings: int = 8192
+    """llama3 only: the context length the model was pre-trained with."""
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeConfig: rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        if self.theta <= 0 or self.factor <= 0:
+            raise ValueError(f"RopeConfig: theta={self.theta} and factor={self.factor} must be > 0")
+        if self.rope_type == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(f"RopeConfig: llama3 needs 0 < low_freq_factor={self.low_freq_factor} "
+                             f"< high_freq_factor={self.high_freq_factor}")
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """Inverse frequencies [head_dim / 2] in fp32 on CPU, computed like HF (modeling_rope_utils)."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.rope_type == "linear":
+            return inv / self.factor
+        if self.rope_type == "llama3":
+            old_len = self.original_max_position_embeddings
+            low_wavelen, high_wavelen = old_len / self.low_freq_factor, old_len / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            # long wavelengths are divided by factor, short ones kept, the band between interpolated
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The shapes and options of one Llama-family decoder."""
+
+    model_type: str
+    """The HF model_type: one of SUPPORTED_MODEL_TYPES."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    """GQA: num_attention_heads must be a multiple of this."""
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    """True: the LM head is the embedding matrix; the buffer has no lm_head.weight."""
+    qkv_bias: bool = False
+    """q/k/v projections have biases (Qwen2; Llama/Qwen3 with attention_bias)."""
+    o_bias: bool = False
+    """o_proj has a bias (Llama/Qwen3 with attention_bias)."""
+    mlp_bias: bool = False
+    """gate/up/down projections have biases (Llama mlp_bias)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before rope (Qwen3)."""
+    sliding_window: int | None = None
+    """Window of the sliding-window layers: query i sees keys j with i - window < j <= i."""
+    layer_types: tuple[str, ...] = ()
+    """'full_attention' or 'sliding_attention' per layer; empty: all sliding if sliding_window else all full."""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    """Std of the normal init of linear and embedding weights (random init)."""
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"ModelConfig: model_type {self.model_type!r} is not supported; "
+                             f"supported: {SUPPORTED_MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"ModelConfig: num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for rope")
+        if not isinstance(self.rope, RopeConfig):
+            raise ValueError(f"ModelConfig: rope must be a RopeConfig, got {type(self.rope).__name__}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig: sliding_window must be None or >= 1, got {self.sliding_window}")
+        if not self.layer_types:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            self.layer_types = (kind,) * self.num_hidden_layers
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"ModelConfig: layer_types must hold num_hidden_layers={self.num_hidden_layers} "
+                             f"entries from {LAYER_TYPES}, got {self.layer_types}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("ModelConfig: layer_types has sliding_attention layers but sliding_window is None")
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i, or None for full causal attention."""
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelConfig":
+        """Translate a transformers config; a feature this model does not implement is a ValueError."""
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} (architectures {getattr(hf_config, 'architectures', None)}) "
+                             f"is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{model_type}: hidden_act {act!r} is not supported; only 'silu' (SwiGLU MLP)")
+        heads = hf_config.num_attention_heads
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        kw = dict(
+            qkv_bias={"qwen2": True, "mistral": False}.get(model_type, attention_bias),
+            o_bias=attention_bias if model_type in ("llama", "qwen3") else False,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+        )
+        if model_type == "llama":
+            sliding_window, layer_types = None, ()
+        elif model_type == "mistral":
+            sliding_window, layer_types = getattr(hf_config, "sliding_window", None), ()
+        else:  # qwen2/qwen3: HF sets sliding_window None unless use_sliding_window; layer_types say which layers
+            sliding_window = getattr(hf_config, "sliding_window", None)
+            if not getattr(hf_config, "use_sliding_window", False):
+                sliding_window = None
+            layer_types = getattr(hf_config, "layer_types", None) or [
+                "sliding_attention" if sliding_window is not None and i >= hf_config.max_window_layers
+                else "full_attention" for i in range(hf_config.num_hidden_layers)]
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            sliding_window=sliding_window,
+            layer_types=tuple(layer_types),
+            rope=_rope_from_hf(hf_config),
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+            initializer_range=getattr(hf_config, "initializer_range", 0.02),
+            **kw,
+        )
+
+
+def _rope_from_hf(hf_config) -> RopeConfig:
+    # transformers 5 keeps everything in `rope_parameters`; 4.x had `rope_theta` + `rope_scaling`.
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{hf_config.model_type}: rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{hf_config.model_type}: partial_rotary_factor={partial} is not supported (only 1.0)")
+    kw = dict(rope_type=rope_type, theta=float(theta))
+    if rope_type in ("linear", "llama3"):
+        kw["factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        kw.update(low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
+                  original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    return RopeConfig(**kw)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B, T, D] (HF half-split layout, not interleaved pairs)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Causal (optionally sliding-window) attention over q [B, H, T, D], k/v [B, KVH, T, D]."""
+    T = q.shape[-2]
+    if sliding_window is None or sliding_window >= T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    i = torch.arange(T, device=q.device)
+    dist = i[:, None] - i[None, :]
+    mask = (dist >= 0) & (dist < sliding_window)  # True = attend
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device="meta"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the input dtype: the same rounding as HF in bf16.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=bias, device="meta")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.sliding_window = c.layer_window(layer_idx)
+        self.q_proj = _linear(c.hidden_size, c.num_attention_heads * c.head_dim, c.qkv_bias)
+        self.k_proj = _linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.qkv_bias)
+        self.v_proj = _linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.qkv_bias)
+        self.o_proj = _linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, self.sliding_window)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.gate_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.up_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.down_proj = _linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """HF's `model.` prefix: embedding, layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus LM head; every weight is a view of `self.flat_buffer`.
+
+    Build it with `he.load_model` (weights from HF / a checkpoint / seeded init). Constructing it
+    directly gives zero weights, in a fresh buffer or in `buffer` if one with exactly this model's
+    parameters is given. Move it by loading again with `dtype=` / `device=`: `.to()` would replace
+    the parameters with copies outside the buffer, so it raises unless it is a no-op.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", buffer: FlatParamBuffer | None = None):
+        super().__init__()
+        self.config = config
+        # Parameters are declared on the meta device (shapes only), then rebound to buffer views.
+        self.model = Decoder(config)
+        self.lm_head = None if config.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size, False)
+        shapes = [(name, tuple(p.shape)) for name, p in self.named_parameters()]
+        if buffer is None:
+            buffer = FlatParamBuffer(param_specs(shapes, config.head_dim), dtype=dtype, device=device)
+        elif [(s.name, s.shape) for s in buffer.layout.specs] != shapes:
+            raise ValueError("CausalLM: the given buffer's parameters (names, shapes, order) do not match "
+                             f"this config's; expected {shapes}")
+        self.flat_buffer = buffer
+        for name in buffer.names:
+            owner, attr = name.rsplit(".", 1)
+            setattr(self.get_submodule(owner), attr, nn.Parameter(buffer.view(name)))
+        self.register_buffer("inv_freq", config.rope.inv_freq(config.head_dim).to(buffer.device), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H]: the LM head, or the embedding when tied (for fused losses over the head)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, head_dim], computed in fp32 and rounded to `dtype` (as HF)."""
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final-normed hidden states [B, T, H] (positions default to 0..T-1)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        elif position_ids.shape[-1] != T:
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} does not match input_ids [B={B}, T={T}]")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(position_ids.expand(B, T), x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] in the model dtype (as HF)."""
+        return F.linear(hidden, self.lm_head_weight)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compute_logits(self.hidden_states(input_ids, position_ids))
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda()/.half() rebind parameters to converted copies, silently cutting them loose
+        # from flat_buffer (and so from the resharding machinery): allow only no-op conversions.
+        if fn(self.flat_buffer.data) is not self.flat_buffer.data:
+            raise RuntimeError("CausalLM weights are views of flat_buffer and cannot be moved or cast; "
+                               "load the model again with he.load_model(..., dtype=, device=)")
+        return self
