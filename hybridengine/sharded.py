@@ -1,0 +1,331 @@
+"""The zero-copy switch: one generation buffer G per rank, training shards living inside it.
+
+`ShardedBuffer` owns, on each of the N ranks of a process group:
+
+- **G**, TP slice `t = rank // m` of every unit (m = N / tg). The rank's training shard of each
+  unit lives permanently inside G, so the optimizer writes straight into the weights that the
+  next rollout reads. On CUDA, G is a reserved virtual range (`VmmRange`): the own shards stay
+  mapped; `switch_to_generation()` maps one physical allocation per (unit, other shard) and
+  all-gathers into it in place within the micro-DP group (the m ranks sharing slice t);
+  `switch_to_training()` unmaps them. With tg = N nothing moves. On CPU, and where the VMM API is
+  unavailable, G is an ordinary tensor (the switch then only communicates).
+- **Training-view gathers**: `gather_unit(u)` all-gathers unit u's shards from all N ranks (the
+  concatenation in rank order *is* the slice-major unit) and unpacks it to natural layout with
+  the fused segment copy; with tg = 1 the gathered buffer already is the natural layout.
+  `prefetch_unit(u)` starts that on a side stream (CUDA) so it hides under the previous unit.
+- **Gradient reduce-scatter**: `reduce_scatter_grad(u, natural_grad, out)` packs a unit's
+  natural-layout gradient to slice-major order and reduce-scatters it into the rank's shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .layout import ParamSpec, ShardedLayout
+from .ops import extension_has, prepare_table, segment_copy
+
+# torch 2.13 renamed the tensor collectives (same signatures); 2.11 only has the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@functools.cache
+def vmm_status(device_index: int) -> tuple[bool, str]:
+    """(available, reason) for the CUDA VMM buffer on this device; probes once with a tiny mapping."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    try:
+        cls = torch.classes.hybridengine.VmmRange
+    except (AttributeError, RuntimeError):
+        return False, "the extension was built without CUDA ops (VmmRange missing)"
+    try:
+        probe = cls(1, device_index)
+        probe.map(0, probe.granularity())
+        probe.unmap(0)
+        return True, f"granularity {probe.granularity()} bytes"
+    except RuntimeError as e:
+        return False, f"the driver refused the VMM probe: {e}"
+
+
+class GenerationBuffer:
+    """G: a VMM range on CUDA (own shards mapped for good), or a plain tensor."""
+
+    def __init__(self, layout: ShardedLayout, rank: int, dtype: torch.dtype, device: torch.device, use_vmm: bool):
+        self.layout, self.rank, self.device = layout, rank, device
+        self.element_size = layout.element_size
+        self.vmm = None
+        if use_vmm:
+            nbytes = layout.gen_numel * self.element_size
+            self.vmm = torch.classes.hybridengine.VmmRange(nbytes, device.index or 0)
+            self.data = self.vmm.bytes_tensor(0, nbytes).view(dtype)
+            for off, n in layout.shard_in_gen(rank):
+                self.vmm.map(off * self.element_size, n * self.element_size)
+                self.data[off:off + n].zero_()
+        else:
+            self.data = torch.zeros(layout.gen_numel, dtype=dtype, device=device)
+
+    def own_shard(self, u: int) -> torch.Tensor:
+        off, n = self.layout.shard_in_gen(self.rank)[u]
+        return self.data[off:off + n]
+
+    def unit_slice(self, u: int) -> torch.Tensor:
+        off = self.layout.gen_offsets[u]
+        return self.data[off:off + self.layout.units[u].slice_numel]
+
+    def _other_shard_bytes(self, u: int) -> list[tuple[int, int]]:
+        unit, g = self.layout.units[u], self.layout.gen_offsets[u]
+        own = self.rank % self.layout.num_shards
+        es = self.element_size
+        return [((g + j * unit.shard_numel) * es, unit.shard_numel * es)
+                for j in range(self.layout.num_shards) if j != own]
+
+    def map_unit(self, u: int) -> None:
+        """Back the other shards of unit u with memory (one allocation each); all or nothing."""
+        if self.vmm is None:
+            return
+        done = []
+        try:
+            for off, n in self._other_shard_bytes(u):
+                self.vmm.map(off, n)
+                done.append(off)
+        except RuntimeError:
+            for off in done:
+                self.vmm.unmap(off)
+            raise
+
+    def unmap_unit(self, u: int) -> None:
+        if self.vmm is None:
+            return
+        for off, _ in self._other_shard_bytes(u):
+            if self.vmm.is_mapped(off):
+                self.vmm.unmap(off)
+
+    def mapped_bytes(self) -> int:
+        return self.vmm.mapped_bytes() if self.vmm is not None else self.data.numel() * self.element_size
+
+
+@dataclass(slots=True)
+class _Prefetch:
+    natural: torch.Tensor
+    event: torch.cuda.Event | None
+
+
+class ShardedBuffer:
+    """A model's parameters sharded over a process group, with training and generation views."""
+
+    def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedBuffer needs torch.distributed initialised (torchrun, or "
+                               "init_process_group with gloo on CPU)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        es = torch.empty((), dtype=dtype).element_size()
+        self.use_vmm = self._decide_vmm(use_vmm)
+        granule = torch.classes.hybridengine.VmmRange(1, self.device.index).granularity() if self.use_vmm else 16
+        self.layout = ShardedLayout(list(specs), world_size=self.world_size, tp_size=tp_size, element_size=es,
+                                    shard_align_bytes=granule)
+        self._check_same_layout(dtype)
+        m = self.layout.num_shards
+        self.tp_rank, self.shard_index = divmod(self.rank, m)
+        # Every rank creates every subgroup, in the same order (torch.distributed requires it).
+        global_ranks = [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
+                        for r in range(self.world_size)]
+        self.micro_dp_group = self.tp_group = None
+        for t in range(tp_size):
+            g = dist.new_group([global_ranks[t * m + j] for j in range(m)]) if 1 < m < self.world_size else None
+            if t == self.tp_rank:
+                self.micro_dp_group = self.group if m == self.world_size else g
+        for j in range(m):
+            g = dist.new_group([global_ranks[t * m + j] for t in range(tp_size)]) if 1 < tp_size < self.world_size else None
+            if j == self.shard_index:
+                self.tp_group = self.group if tp_size == self.world_size else g
+        self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
+        self.state = "training"
+        self._unpack = [None] * len(self.layout.units)
+        self._pack = [None] * len(self.layout.units)
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._prefetched: dict[int, _Prefetch] = {}
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def _decide_vmm(self, use_vmm: bool | None) -> bool:
+        if self.device.type != "cuda":
+            if use_vmm:
+                raise ValueError(f"use_vmm=True needs a CUDA device, got device={self.device}")
+            return False
+        ok, reason = vmm_status(self.device.index)
+        if use_vmm and not ok:
+            raise RuntimeError(f"rank {self.rank}: use_vmm=True but the CUDA VMM buffer is unavailable: {reason}")
+        if use_vmm is None and not ok:
+            warnings.warn(f"hybridengine: CUDA VMM buffer unavailable ({reason}); the generation buffer is an "
+                          "ordinary tensor that stays allocated between rollouts", RuntimeWarning, stacklevel=3)
+        return ok if use_vmm is None else use_vmm
+
+    def _check_same_layout(self, dtype: torch.dtype) -> None:
+        """All ranks must lay out the same model the same way: checked once, named by rank."""
+        lay = self.layout
+        key = repr(([(s.name, s.shape, s.role, s.granule) for s in lay.specs], lay.tp_size, lay.shard_align_bytes,
+                    str(dtype)))
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        digests: list[str] = [""] * self.world_size
+        dist.all_gather_object(digests, digest, group=self.group)
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        if bad:
+            raise ValueError(f"rank {self.rank}: ranks {bad} lay out a different model than rank 0 (parameter "
+                             "names/shapes, tp_size, alignment or dtype differ); every rank must pass the same specs")
+
+    def load_(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Fill this rank's shards from full natural-layout parameters (every rank passes the same)."""
+        missing = [s.name for s in self.layout.specs if s.name not in params]
+        if missing:
+            raise ValueError(f"load_: parameters missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for u, unit in enumerate(self.layout.units):
+            natural = torch.zeros(unit.natural_numel, dtype=self.gen.data.dtype, device=self.device)
+            for s in unit.params:
+                src = params[s.name]
+                if tuple(src.shape) != s.shape:
+                    raise ValueError(f"load_: parameter {s.name!r} has shape {tuple(src.shape)}, expected {s.shape}")
+                self.layout.natural_view(natural, s.name).copy_(src)
+            packed = self.pack_unit(u, natural)
+            start, end = unit.shard_range(self.rank)
+            self.gen.own_shard(u).copy_(packed[start:end])
+
+    # -- the switch ---------------------------------------------------------------------------------
+
+    def switch_to_generation(self) -> None:
+        """Make G hold this rank's full TP slice of every unit: all-gather within the micro-DP group."""
+        self._expect("training", "switch_to_generation")
+        gathering = self.layout.num_shards > 1
+        works, mapped = [], []
+        for u in range(len(self.layout.units)):
+            try:
+                self.gen.map_unit(u)  # host-side; overlaps the all-gather of unit u-1 already in flight
+            except RuntimeError as e:
+                for w in works:
+                    w.wait()
+                for v in mapped:
+                    self.gen.unmap_unit(v)
+                raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map unit "
+                                   f"{self.layout.units[u].name!r}; the buffer is back in training state: {e}") from e
+            mapped.append(u)
+            if gathering:
+                works.append(_all_gather(self.gen.unit_slice(u), self.gen.own_shard(u), group=self.micro_dp_group,
+                                         async_op=True))
+        for w in works:
+            w.wait()
+        self.state = "generation"
+
+    def switch_to_training(self) -> None:
+        """Release the other shards of G (VMM: unmap); the own shards stay where they are."""
+        self._expect("generation", "switch_to_training")
+        if self.gen.vmm is not None:
+            torch.cuda.current_stream(self.device).synchronize()  # nothing may still read what we unmap
+            for u in range(len(self.layout.units)):
+                self.gen.unmap_unit(u)
+        self.state = "training"
+
+    def generation_views(self) -> dict[str, torch.Tensor]:
+        """TP-slice views of every parameter in G (valid in the generation state)."""
+        self._expect("generation", "generation_views")
+        return {s.name: self.layout.gen_view(self.gen.data, s.name) for s in self.layout.specs}
+
+    def shard_views(self) -> list[torch.Tensor]:
+        """This rank's training shard of every unit (views of G; the optimizer writes here)."""
+        return [self.gen.own_shard(u) for u in range(len(self.layout.units))]
+
+    def _expect(self, state: str, what: str) -> None:
+        if self.state != state:
+            raise RuntimeError(f"rank {self.rank}: {what}() needs the {state} state, the buffer is in {self.state}")
+
+    # -- training view ------------------------------------------------------------------------------
+
+    def _table(self, u: int, pack: bool) -> torch.Tensor:
+        cache = self._pack if pack else self._unpack
+        if cache[u] is None:
+            unit = self.layout.units[u]
+            src_n, dst_n = (unit.natural_numel, unit.numel) if pack else (unit.numel, unit.natural_numel)
+            table = unit.pack_table() if pack else unit.unpack_table()
+            cache[u] = prepare_table(table, self.layout.element_size, src_numel=src_n, dst_numel=dst_n,
+                                     device=self.device)
+        return cache[u]
+
+    def pack_unit(self, u: int, natural: torch.Tensor) -> torch.Tensor:
+        """Natural -> slice-major (padding zero; replicated params copied into every slice)."""
+        unit = self.layout.units[u]
+        packed = torch.zeros(unit.numel, dtype=natural.dtype, device=natural.device)
+        if self.layout.tp_size == 1:
+            packed[:unit.natural_numel].copy_(natural[:unit.natural_numel])
+        else:
+            segment_copy(natural, packed, self._table(u, pack=True))
+        return packed
+
+    def _gather(self, u: int) -> torch.Tensor:
+        unit = self.layout.units[u]
+        full = torch.empty(unit.numel, dtype=self.gen.data.dtype, device=self.device)
+        _all_gather(full, self.gen.own_shard(u), group=self.group)
+        if self.layout.tp_size == 1:
+            return full[:unit.natural_numel]  # slice-major with one slice is the natural layout
+        natural = torch.empty(unit.natural_numel, dtype=full.dtype, device=self.device)
+        segment_copy(full, natural, self._table(u, pack=False))
+        return natural
+
+    def prefetch_unit(self, u: int) -> None:
+        """Start gathering unit u (CUDA: on a side stream, so it overlaps the current unit's compute)."""
+        if u in self._prefetched or not 0 <= u < len(self.layout.units):
+            return
+        if self._side_stream is None:
+            self._prefetched[u] = _Prefetch(self._gather(u), None)
+            return
+        self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side_stream):
+            natural = self._gather(u)
+            event = torch.cuda.Event()
+            event.record(self._side_stream)
+        self._prefetched[u] = _Prefetch(natural, event)
+
+    def gather_unit(self, u: int) -> torch.Tensor:
+        """Unit u's parameters in natural layout (a transient buffer); use `natural_view` for each one."""
+        self._expect("training", "gather_unit")
+        pre = self._prefetched.pop(u, None)
+        if pre is None:
+            return self._gather(u)
+        if pre.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(pre.event)
+            pre.natural.record_stream(torch.cuda.current_stream(self.device))
+        return pre.natural
+
+    def natural_view(self, natural: torch.Tensor, name: str) -> torch.Tensor:
+        return self.layout.natural_view(natural, name)
+
+    def reduce_scatter_grad(self, u: int, natural_grad: torch.Tensor, out: torch.Tensor,
+                            op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """out (this rank's shard of unit u) = reduction over ranks of the packed natural gradients."""
+        unit = self.layout.units[u]
+        if natural_grad.dim() != 1 or natural_grad.numel() < unit.natural_numel:
+            raise ValueError(f"reduce_scatter_grad: natural_grad of unit {unit.name!r} must be 1-D with at least "
+                             f"{unit.natural_numel} elements, got shape {tuple(natural_grad.shape)}")
+        if out.shape != (unit.shard_numel,) or out.dtype != natural_grad.dtype:
+            raise ValueError(f"reduce_scatter_grad: out must be [{unit.shard_numel}] {natural_grad.dtype}, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        if self.layout.tp_size == 1 and natural_grad.numel() == unit.numel:
+            packed = natural_grad  # caller allocated the padded unit: no copy at all
+        else:
+            packed = self.pack_unit(u, natural_grad)
+        _reduce_scatter(out, packed, op=op, group=self.group)
+
+    def close(self) -> None:
+        """Release G (and with it every mapping)."""
+        self._prefetched.clear()
+        self.gen = None
