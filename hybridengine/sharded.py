@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import warnings
@@ -121,7 +122,9 @@ class ShardedBuffer:
     """A model's parameters sharded over a process group, with training and generation views."""
 
     def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None):
+                 tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
+                 timeout: datetime.timedelta | None = None):
+        """`timeout` bounds the collectives of the subgroups made here (default: the process group's)."""
         if not dist.is_initialized():
             raise RuntimeError("ShardedBuffer needs torch.distributed initialised (torchrun, or "
                                "init_process_group with gloo on CPU)")
@@ -144,11 +147,12 @@ class ShardedBuffer:
                         for r in range(self.world_size)]
         self.micro_dp_group = self.tp_group = None
         for t in range(tp_size):
-            g = dist.new_group([global_ranks[t * m + j] for j in range(m)]) if 1 < m < self.world_size else None
+            g = dist.new_group([global_ranks[t * m + j] for j in range(m)], timeout=timeout) if 1 < m < self.world_size else None
             if t == self.tp_rank:
                 self.micro_dp_group = self.group if m == self.world_size else g
         for j in range(m):
-            g = dist.new_group([global_ranks[t * m + j] for t in range(tp_size)]) if 1 < tp_size < self.world_size else None
+            g = (dist.new_group([global_ranks[t * m + j] for t in range(tp_size)], timeout=timeout)
+                 if 1 < tp_size < self.world_size else None)
             if j == self.shard_index:
                 self.tp_group = self.group if tp_size == self.world_size else g
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)

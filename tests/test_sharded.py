@@ -22,73 +22,82 @@ def full_params(specs, dtype, seed=1234):
     return {s.name: torch.randn(s.shape, generator=gen).to(dtype) for s in specs}
 
 
-def _check_world(rank, world_size, init_file, model, dtype, errors):
-    """Every check of the issue for one world size, all tg dividing it; failures go to `errors`."""
+def check_sharded_buffer(rank, world_size, model, dtype, device="cpu"):
+    """Every check of the issue for one world size, all tg dividing it (gloo on CPU, NCCL on GPU)."""
     from hybridengine.sharded import ShardedBuffer
 
+    specs = model_specs(**MODELS[model])
+    params = {k: v.to(device) for k, v in full_params(specs, dtype).items()}
+    for tp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
+        buf = ShardedBuffer(specs, dtype=dtype, tp_size=tp, device=device)
+        buf.load_(params)
+        shards_before = [s.clone() for s in buf.shard_views()]
+        ptrs_before = [s.data_ptr() for s in buf.shard_views()]
+
+        # Training gathers reproduce the full parameters bitwise.
+        for u, unit in enumerate(buf.layout.units):
+            natural = buf.gather_unit(u)
+            for s in unit.params:
+                assert torch.equal(buf.natural_view(natural, s.name), params[s.name]), (tp, s.name)
+        buf.prefetch_unit(1)
+        assert torch.equal(buf.natural_view(buf.gather_unit(1), specs[1].name), params[specs[1].name])
+
+        # Generation views equal the reference TP slices, bitwise, for 50 round trips.
+        t = rank // (world_size // tp)
+        for trip in range(50):
+            buf.switch_to_generation()
+            if trip in (0, 49):
+                views = buf.generation_views()
+                for s in specs:
+                    expected = reference_tp_slice(params[s.name].cpu(), s.role, t, tp)
+                    assert torch.equal(views[s.name].cpu(), expected), (tp, trip, s.name)
+                    assert views[s.name].untyped_storage().data_ptr() == buf.gen.data.untyped_storage().data_ptr()
+            buf.switch_to_training()
+        assert all(torch.equal(a, b) for a, b in zip(buf.shard_views(), shards_before))
+        assert [s.data_ptr() for s in buf.shard_views()] == ptrs_before
+        if buf.gen.vmm is not None:  # only the own shards stay mapped between rollouts
+            assert buf.gen.mapped_bytes() == buf.layout.shard_numel * buf.layout.element_size
+
+        # An optimizer write into the shard is what the next rollout sees: no sync step.
+        for s in buf.shard_views():
+            s.add_(1)
+        buf.switch_to_generation()
+        views = buf.generation_views()
+        for s in specs:
+            expected = reference_tp_slice(params[s.name].cpu(), s.role, t, tp)
+            assert torch.equal(views[s.name].cpu(), expected + 1), (tp, s.name)
+        buf.switch_to_training()
+
+        # Reduce-scatter of packed gradients equals the reference sum.
+        grad_gen = torch.Generator().manual_seed(100 + rank)
+        for u, unit in enumerate(buf.layout.units):
+            gdtype = torch.float64 if device == "cpu" else torch.float32  # NCCL: no exact fp64 need
+            grad = torch.randn(unit.natural_numel, generator=grad_gen, dtype=gdtype).to(device)
+            out = torch.empty(unit.shard_numel, dtype=gdtype, device=device)
+            buf.reduce_scatter_grad(u, grad, out)
+            grads = [torch.empty_like(grad) for _ in range(world_size)]
+            dist.all_gather(grads, grad)
+            packed = sum(buf.pack_unit(u, g) for g in grads)
+            start, end = unit.shard_range(rank)
+            # Summation order may differ between the collective and this sum: fp rounding only.
+            tol = 1e-12 if gdtype == torch.float64 else 1e-5
+            assert torch.allclose(out, packed[start:end], rtol=0, atol=tol), (tp, unit.name)
+
+        # Wrong-state calls raise and leave the state alone.
+        try:
+            buf.switch_to_training()
+            raise AssertionError("switch_to_training in training state did not raise")
+        except RuntimeError as e:
+            assert f"rank {rank}" in str(e) and "needs the generation state" in str(e)
+        assert buf.state == "training"
+        buf.close()
+
+
+def _check_world(rank, world_size, init_file, model, dtype, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        specs = model_specs(**MODELS[model])
-        params = full_params(specs, dtype)
-        for tp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
-            buf = ShardedBuffer(specs, dtype=dtype, tp_size=tp)
-            buf.load_(params)
-            shards_before = [s.clone() for s in buf.shard_views()]
-            ptrs_before = [s.data_ptr() for s in buf.shard_views()]
-
-            # Training gathers reproduce the full parameters bitwise.
-            for u, unit in enumerate(buf.layout.units):
-                natural = buf.gather_unit(u)
-                for s in unit.params:
-                    assert torch.equal(buf.natural_view(natural, s.name), params[s.name]), (tp, s.name)
-            buf.prefetch_unit(1)
-            assert torch.equal(buf.natural_view(buf.gather_unit(1), specs[1].name), params[specs[1].name])
-
-            # Generation views equal the reference TP slices, bitwise, for 50 round trips.
-            t = rank // (world_size // tp)
-            for trip in range(50):
-                buf.switch_to_generation()
-                if trip in (0, 49):
-                    views = buf.generation_views()
-                    for s in specs:
-                        expected = reference_tp_slice(params[s.name], s.role, t, tp)
-                        assert torch.equal(views[s.name], expected), (tp, trip, s.name)
-                        assert views[s.name].untyped_storage().data_ptr() == buf.gen.data.untyped_storage().data_ptr()
-                buf.switch_to_training()
-            assert all(torch.equal(a, b) for a, b in zip(buf.shard_views(), shards_before))
-            assert [s.data_ptr() for s in buf.shard_views()] == ptrs_before
-
-            # An optimizer write into the shard is what the next rollout sees: no sync step.
-            for s in buf.shard_views():
-                s.add_(1)
-            buf.switch_to_generation()
-            views = buf.generation_views()
-            for s in specs:
-                expected = reference_tp_slice(params[s.name], s.role, t, tp)
-                assert torch.equal(views[s.name], expected + 1), (tp, s.name)
-            buf.switch_to_training()
-
-            # Reduce-scatter of packed gradients equals the reference sum.
-            grad_gen = torch.Generator().manual_seed(100 + rank)
-            for u, unit in enumerate(buf.layout.units):
-                grad = torch.randn(unit.natural_numel, generator=grad_gen, dtype=torch.float64)
-                out = torch.empty(unit.shard_numel, dtype=torch.float64)
-                buf.reduce_scatter_grad(u, grad, out)
-                grads = [torch.empty_like(grad) for _ in range(world_size)]
-                dist.all_gather(grads, grad)
-                packed = sum(buf.pack_unit(u, g) for g in grads)
-                start, end = unit.shard_range(rank)
-                assert torch.allclose(out, packed[start:end], rtol=0, atol=1e-12), (tp, unit.name)
-
-            # Wrong-state calls raise and leave the state alone.
-            try:
-                buf.switch_to_training()
-                raise AssertionError("switch_to_training in training state did not raise")
-            except RuntimeError as e:
-                assert f"rank {rank}" in str(e) and "needs the generation state" in str(e)
-            assert buf.state == "training"
-            buf.close()
-    except Exception as e:  # noqa: BLE001  (reported to the parent with the rank)
+        check_sharded_buffer(rank, world_size, model, dtype)
+    except Exception:  # noqa: BLE001  (reported to the parent with the rank)
         import traceback
 
         errors.put(f"rank {rank}: {traceback.format_exc()}")
@@ -143,3 +152,36 @@ def test_needs_initialised_process_group():
 
     with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
         ShardedBuffer(model_specs(**MODELS["odd-hidden"]), dtype=torch.float32)
+
+
+def test_failed_mapping_leaves_training_state(monkeypatch):
+    """A mapping failure (e.g. out of memory) names the rank and unit and leaves the buffer as it was."""
+    from hybridengine.sharded import GenerationBuffer, ShardedBuffer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        specs = model_specs(**MODELS["odd-hidden"])
+        buf = ShardedBuffer(specs, dtype=torch.float32)
+        buf.load_(full_params(specs, torch.float32))
+        before = buf.gen.data.clone()
+        unmapped = []
+        real_map = GenerationBuffer.map_unit
+
+        def failing_map(self, u):
+            if u == 2:
+                raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
+            real_map(self, u)
+
+        monkeypatch.setattr(GenerationBuffer, "map_unit", failing_map)
+        monkeypatch.setattr(GenerationBuffer, "unmap_unit", lambda self, u: unmapped.append(u))
+        with pytest.raises(RuntimeError, match=r"rank 0: switch_to_generation could not map unit 'layers.1'.*OUT_OF_MEMORY"):
+            buf.switch_to_generation()
+        assert buf.state == "training" and unmapped == [0, 1]
+        assert torch.equal(buf.gen.data, before)
+        monkeypatch.setattr(GenerationBuffer, "map_unit", real_map)
+        buf.switch_to_generation()
+        assert buf.state == "generation"
+        with pytest.raises(RuntimeError, match="gather_unit\\(\\) needs the training state"):
+            buf.gather_unit(0)
+    finally:
+        dist.destroy_process_group()

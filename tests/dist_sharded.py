@@ -1,0 +1,28 @@
+"""ShardedBuffer checks over NCCL on GPUs, with the VMM generation buffer:
+    torchrun --nproc-per-node 2 tests/dist_sharded.py
+(the same checks test_sharded.py runs over gloo on CPU)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_sharded import check_sharded_buffer  # noqa: E402
+
+
+def main():
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for model, dtype in [("odd-hidden", torch.float32), ("tied-no-bias", torch.bfloat16)]:
+        check_sharded_buffer(rank, world, model, dtype, device="cuda")
+        if rank == 0:
+            print(f"dist_sharded: {model} {dtype} world_size={world}: all checks passed", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
