@@ -2,12 +2,15 @@
 
 from .buffer import FlatParamBuffer
 from .configs import MODEL_CONFIGS, model_config
+from .engine import CompletionOutput, EngineConfig, HybridEngine, RequestOutput
 from .layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
 from .loading import load_model
 from .model import CausalLM, ModelConfig, RopeConfig
+from .sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["FlatParamBuffer", "MODEL_CONFIGS", "model_config", "ParamSpec", "ShardedLayout",
-           "param_specs", "tp_role", "unit_of", "load_model", "CausalLM", "ModelConfig", "RopeConfig",
+           "param_specs", "tp_role", "unit_of", "load_model", "HybridEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "CausalLM", "ModelConfig", "RopeConfig",
            "__version__"]

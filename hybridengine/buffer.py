@@ -16,7 +16,9 @@ class FlatParamBuffer:
     """
 
     def __init__(self, specs: list[ParamSpec] | ShardedLayout, *, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", rank: int = 0, shard_align_bytes: int = 16):
+                 device: torch.device | str = "cpu", rank: int = 0, shard_align_bytes: int = 16,
+                 data: torch.Tensor | None = None):
+        """`data`: an existing generation buffer to view (e.g. a ShardedBuffer's G) instead of a new one."""
         if isinstance(specs, ShardedLayout):
             self.layout = specs
         else:
@@ -28,7 +30,12 @@ class FlatParamBuffer:
         if not 0 <= rank < self.layout.world_size:
             raise ValueError(f"FlatParamBuffer: rank={rank} outside world_size={self.layout.world_size}")
         self.rank = rank
-        self.data = torch.zeros(self.layout.gen_numel, dtype=dtype, device=device)
+        if data is None:
+            data = torch.zeros(self.layout.gen_numel, dtype=dtype, device=device)
+        elif data.shape != (self.layout.gen_numel,) or data.dtype != dtype:
+            raise ValueError(f"FlatParamBuffer: data must be [{self.layout.gen_numel}] {dtype}, got "
+                             f"{tuple(data.shape)} {data.dtype}")
+        self.data = data
 
     @property
     def dtype(self) -> torch.dtype:

@@ -270,6 +270,19 @@ class Attention(nn.Module):
         out = attention(q, k, v, self.sliding_window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
+        """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` stores K/V in the paged cache and attends."""
+        N = x.shape[0]
+        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        out = attn.attend(layer_idx, q, k, v, self.sliding_window)
+        return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -293,6 +306,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
+        x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, attn, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -358,6 +375,18 @@ class CausalLM(nn.Module):
         cos, sin = self.rope(position_ids.expand(B, T), x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def hidden_states_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """Generation forward over flat tokens: input_ids/positions [N] -> final-normed hidden [N, H].
+
+        `attn` (the engine's attention metadata) owns the paged KV cache and the attention kernels;
+        the model only calls `attn.attend(layer_idx, q, k, v, sliding_window)`.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_paged(x, cos, sin, attn, i)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,254 @@
+"""HybridEngine: rollout and (later) training on one shared, sharded parameter buffer.
+
+Alone (no process group, or a group of one) the engine owns one unsharded model. Under torchrun
+it shards the parameters over the default process group (`ShardedBuffer`); `rollout()` switches
+to the generation view, allocates the paged KV cache inside the memory budget, and on exit frees
+the cache and switches back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .buffer import FlatParamBuffer
+from .loading import load_model
+from .model import CausalLM
+from .runner import KVCache, ModelRunner
+from .sampling import SamplingParams, sample
+from .scheduler import BlockManager, Scheduler, Sequence
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """How the engine holds the model and runs rollout."""
+
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """Under torchrun on GPUs, each rank uses cuda:LOCAL_RANK."""
+    tp_generation: int = 1
+    """Tensor-parallel degree of generation; divides the world size."""
+    block_size: int = 16
+    max_model_len: int = 4096
+    """Longest prompt + completion."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use; the KV cache gets what parameters leave."""
+    num_kv_blocks: int | None = None
+    """An explicit KV cache size in blocks (overrides gpu_memory_utilization; the default on CPU is
+    enough for max_num_seqs sequences of max_model_len)."""
+    max_num_seqs: int = 256
+    """Most sequences decoded in one step."""
+    max_num_batched_tokens: int = 16384
+    """Most prompt tokens in one prefill step (a longer prompt runs alone)."""
+    cuda_graphs: bool = True
+    seed: int = 0
+    """Seed of random initialisation (when the source is a config) and of unseeded sampling."""
+
+    def __post_init__(self):
+        if self.tp_generation < 1:
+            raise ValueError(f"EngineConfig.tp_generation must be >= 1, got {self.tp_generation}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"EngineConfig.block_size must be a power of 2, got {self.block_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"EngineConfig.num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("EngineConfig.max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of one prompt."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    """log_softmax(logits / temperature) at each chosen token (temperature 0: T = 1); see sampling.py."""
+    finish_reason: str
+    """'stop' (a stop token was emitted) or 'length' (max_tokens)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class HybridEngine:
+    """Owns the parameter buffer, the KV cache and (later) the optimizer of one model."""
+
+    def __init__(self, source, config: EngineConfig | None = None):
+        self.config = config = config if config is not None else EngineConfig()
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.world_size % config.tp_generation:
+            raise ValueError(f"EngineConfig.tp_generation={config.tp_generation} must divide the world size "
+                             f"{self.world_size}")
+        if config.tp_generation > 1:
+            raise ValueError("EngineConfig.tp_generation > 1 is not implemented yet; use 1")
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.sharded = None
+        if self.world_size == 1:
+            self.model = load_model(source, dtype=config.dtype, device=device, seed=config.seed)
+        else:
+            self.model = self._build_sharded(source)
+        self.model.eval()
+        self._runner: ModelRunner | None = None
+        self._scheduler: Scheduler | None = None
+        self.stats: dict[str, float] = {}
+
+    def _build_sharded(self, source) -> CausalLM:
+        from .sharded import ShardedBuffer
+
+        cfg = self.config
+        full = load_model(source, dtype=cfg.dtype, device="cpu", seed=cfg.seed)
+        specs = full.flat_buffer.layout.specs
+        self.sharded = ShardedBuffer(specs, dtype=cfg.dtype, device=self.device, tp_size=cfg.tp_generation)
+        self.sharded.load_({n: p.detach() for n, p in full.named_parameters()})
+        buffer = FlatParamBuffer(self.sharded.layout, dtype=cfg.dtype, rank=self.rank, data=self.sharded.gen.data)
+        model = CausalLM(full.config, buffer=buffer)
+        del full
+        return model
+
+    # -- rollout ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def rollout(self):
+        """Generation view + KV cache for the duration of the block; both released on exit."""
+        if self._runner is not None:
+            raise RuntimeError("rollout() is already active")
+        t0 = time.perf_counter()
+        if self.sharded is not None:
+            self.sharded.switch_to_generation()
+        try:
+            self.stats["switch_to_generation_s"] = time.perf_counter() - t0
+            kv = self._allocate_kv()
+            t1 = time.perf_counter()
+            self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
+                                       max_model_len=self.config.max_model_len, use_cuda_graphs=self.config.cuda_graphs)
+            self.stats.update(kv_cache_GiB=kv.nbytes() / 2**30, kv_blocks=kv.num_blocks,
+                              cuda_graph_capture_s=self._runner.graph_capture_s, runner_setup_s=time.perf_counter() - t1)
+            yield self
+        finally:
+            self._runner = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if self.sharded is not None and self.sharded.state == "generation":
+                self.sharded.switch_to_training()
+
+    def _allocate_kv(self) -> KVCache:
+        c, m = self.config, self.model.config
+        shape = dict(num_layers=m.num_hidden_layers, block_size=c.block_size, num_kv_heads=m.num_key_value_heads,
+                     head_dim=m.head_dim)
+        per_block = KVCache.bytes_per_block(dtype=c.dtype, **shape)
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of the largest prefill step and the logits of a decode step.
+            reserve = 2 * c.max_num_batched_tokens * max(m.hidden_size, m.intermediate_size) * 4 \
+                + c.max_num_seqs * m.vocab_size * 4 * 2
+            budget = int(total * c.gpu_memory_utilization) - (total - free) - reserve
+            num_blocks = budget // per_block
+            if num_blocks < math.ceil(c.max_model_len / c.block_size):
+                raise RuntimeError(f"rank {self.rank}: the KV cache budget ({budget / 2**30:.2f} GiB at "
+                                   f"gpu_memory_utilization={c.gpu_memory_utilization}) does not hold one sequence of "
+                                   f"max_model_len={c.max_model_len}; raise gpu_memory_utilization or lower max_model_len")
+        else:
+            num_blocks = c.max_num_seqs * math.ceil(c.max_model_len / c.block_size)
+        return KVCache(num_blocks=num_blocks, dtype=c.dtype, device=self.device, **shape)
+
+    def _validate(self, prompts, params: list[SamplingParams]) -> None:
+        if self._runner is None:
+            raise ValueError("generate() must be called inside `with engine.rollout():`")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        vocab, max_len = self.model.config.vocab_size, self.config.max_model_len
+        blocks = self._runner.kv.num_blocks
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                bad = next(t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab))
+                raise ValueError(f"prompts[{i}] has token id {bad!r} outside the vocabulary [0, {vocab})")
+            if len(prompt) + p.max_tokens > max_len:
+                raise ValueError(f"prompts[{i}]: prompt length {len(prompt)} + max_tokens {p.max_tokens} exceeds "
+                                 f"max_model_len={max_len}")
+            need = math.ceil((len(prompt) + p.max_tokens) / self.config.block_size)
+            if need > blocks:
+                raise ValueError(f"prompts[{i}]: needs {need} KV blocks at its longest, the cache has {blocks}")
+
+    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate completions for token-id prompts; outputs in prompt order, samples in index order."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        self._validate(prompts, params)
+        c = self.config
+        blocks = BlockManager(self._runner.kv.num_blocks, c.block_size)
+        sched = Scheduler(blocks, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
+        outputs = [RequestOutput(list(p)) for p in prompts]
+        finished: list[Sequence] = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            sched.add(Sequence(request=i, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=p, fork=p.n))
+        total = sum(p.n * p.max_tokens for p in params)
+        bar = None
+        if use_tqdm and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="generate", unit="tok")
+        t0, steps, decode_s = time.perf_counter(), 0, 0.0
+        while not sched.done:
+            batch = sched.schedule()
+            ts = time.perf_counter()
+            logits = self._runner.step(batch)
+            rows, seqs = [], []
+            for r, seq in enumerate(batch.seqs):
+                if seq.fork > 1:  # a prompt's prefill: its samples all draw from this row
+                    children = sched.fork(seq)
+                    rows += [r] * len(children)
+                    seqs += children
+                else:
+                    rows.append(r)
+                    seqs.append(seq)
+            for seq in seqs:
+                if seq.generator is None and seq.params.seed is not None:
+                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed * 100003 + seq.sample)
+            tokens, logprobs = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
+            if not batch.is_prefill:
+                torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
+                decode_s += time.perf_counter() - ts
+            for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+                seq.token_ids.append(tok)
+                seq.logprobs.append(lp)
+                done = len(seq.completion_ids) >= seq.params.max_tokens
+                if tok in seq.params.stop_token_ids or done:
+                    sched.finish(seq, "stop" if tok in seq.params.stop_token_ids else "length")
+                    finished.append(seq)
+            steps += 1
+            if bar is not None:
+                bar.update(len(seqs))
+        if bar is not None:
+            bar.close()
+        for seq in sorted(finished, key=lambda s: (s.request, s.sample)):
+            outputs[seq.request].outputs.append(
+                CompletionOutput(seq.sample, seq.completion_ids, seq.logprobs, seq.finish_reason))
+        self.stats.update(generate_s=time.perf_counter() - t0, steps=steps, decode_s=decode_s,
+                          preemptions=sched.num_preemptions)
+        return outputs
