@@ -1,0 +1,89 @@
+"""Triton kernel of prefill attention over packed variable-length sequences (flash-attention 2 style).
+
+One program per (query tile of BLOCK_M rows, sequence, query head). Sequence b owns query rows
+cu_seqlens_q[b] .. cu_seqlens_q[b+1] and has len_k keys; the mask is causal and bottom-right
+aligned: query row i sits at key position len_k - len_q + i and sees keys j with
+i + len_k - len_q - window < j <= i + len_k - len_q (window 2^30 when there is none).
+
+Keys come either from packed tensors K, V [total_k, num_kv_heads, D] at rows cu_seqlens_k[b] + j
+(`PAGED=False`), or from the paged cache through the block table (`PAGED=True`): key j of
+sequence b lives in block block_tables[b, j // PAGE_SIZE] at offset j % PAGE_SIZE. The paged
+form is how a prompt's cached prefix (shared by its n samples) and earlier chunks of a chunked
+prefill are read.
+
+Math as in `paged_attention`: fp32 after loads, TF32 `tl.dot` on GPU for bf16/fp16 inputs (exact
+for Q.K^T), online base-2 softmax. The launcher, checks and reference are in `hybridengine.attention`.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def prefill_attention_kernel(
+    Q, K, V, Cu_seqlens_q, Cu_seqlens_k, Block_tables, Out,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc_block, stride_vc_block, stride_bt_b, stride_ot, stride_oh,
+    scale_log2, window, max_blocks,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(Cu_seqlens_q + seq)
+    len_q = tl.load(Cu_seqlens_q + seq + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= len_q:  # the grid covers the longest sequence; shorter ones have idle tiles
+        return
+    k_start = tl.load(Cu_seqlens_k + seq)
+    len_k = tl.load(Cu_seqlens_k + seq + 1) - k_start
+    shift = len_k - len_q  # bottom-right alignment: the cached prefix (or earlier chunks) comes first
+    kv_head = head // GROUP
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < len_q
+    pos = rows + shift
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+
+    hi = tl.minimum(len_k, m0 + BLOCK_M + shift)  # one past the last row's own position
+    lo = tl.maximum(m0 + shift - window + 1, 0)   # the first row's first visible key
+    lo = (lo // BLOCK_N) * BLOCK_N
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = (t >= 0) & (t < len_k)
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        if PAGED:
+            page_idx = t // PAGE_SIZE
+            t_ok = t_ok & (page_idx < max_blocks)
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            page = tl.load(Block_tables + seq * stride_bt_b + page_idx, mask=t_ok, other=0).to(tl.int64)
+            k_off = page * stride_kc_block + (t % PAGE_SIZE) * stride_kt
+            v_off = page * stride_vc_block + (t % PAGE_SIZE) * stride_vt
+        else:
+            k_off = (k_start + t).to(tl.int64) * stride_kt
+            v_off = (k_start + t).to(tl.int64) * stride_vt
+        k = tl.load(K + k_off[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = t_ok[None, :] & (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays 0
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(V + v_off[:, None] + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # a row that sees no key (len_k < len_q): zeros
+    tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])

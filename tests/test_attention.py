@@ -1,0 +1,497 @@
+"""KV store, paged decode attention and prefill attention: Triton kernels against their references.
+
+On CPU the Triton launchers run under TRITON_INTERPRET=1 (conftest) on tiny shapes; the `gpu` tests
+run the same comparisons at Qwen2-7B shapes. Unused cache slots and unused block-table columns point
+at NaN, so any read past a sequence shows up as a NaN in the output.
+
+Tolerances (STYLE.md habit 3): the exact answer is the reference in fp64 on the same inputs; the
+kernel's max error against it must stay within K_TOL x the error of the same reference computed in
+the input dtype (torch's own error in that dtype). The store is a copy: bitwise equality.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from hybridengine import attention as A
+
+K_TOL = {torch.bfloat16: 1.0, torch.float16: 1.0, torch.float32: 2.0}
+"""Allowed multiple of torch's own error, on top of the one rounding of the output (`assert_close_to_exact`).
+bf16/fp16: the kernels compute in fp32 and round once at the output, torch in the input dtype rounds at
+every step. fp32: both compute in fp32 in a different order (base-2 exponent, online rescaling);
+measured max ratio 0.83 under the interpreter."""
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that NaN == NaN in comparisons."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def poisoned_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device,
+                   *, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches full of NaN; `interleaved`: views of one [num_blocks, 2, ...] allocation (non-contiguous)."""
+    if interleaved:
+        kv = torch.full((num_blocks, 2, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+        return kv[:, 0], kv[:, 1]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return (torch.full(shape, float("nan"), dtype=dtype, device=device),
+            torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+def paged_kv(context_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype, device, *,
+             shared_prefix_blocks: int = 0, interleaved: bool = False, spare_blocks: int = 2):
+    """Caches holding random K/V for each sequence's tokens in shuffled blocks, NaN elsewhere.
+
+    Returns (k_cache, v_cache, block_tables). Table columns past a sequence's blocks alternate
+    between -1 and the id of a NaN block. With `shared_prefix_blocks`, every sequence's first blocks
+    are the same physical blocks (the n samples of one prompt)."""
+    need = [math.ceil(n / block_size) for n in context_lens]
+    own = [max(0, n - shared_prefix_blocks) for n in need]
+    num_blocks = shared_prefix_blocks + sum(own) + spare_blocks
+    k_cache, v_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                                      interleaved=interleaved)
+    perm = torch.randperm(num_blocks).tolist()
+    prefix, rest, nan_block = perm[:shared_prefix_blocks], perm[shared_prefix_blocks:-spare_blocks], perm[-1]
+    width = max(need) + 1
+    table = torch.empty(len(context_lens), width, dtype=torch.int32)
+    for b, n in enumerate(need):
+        blocks = prefix[:n] + [rest.pop() for _ in range(n - min(n, shared_prefix_blocks))]
+        garbage = [-1 if c % 2 else nan_block for c in range(width - n)]
+        table[b] = torch.tensor(blocks + garbage, dtype=torch.int32)
+    written = set()
+    for b, n in enumerate(context_lens):
+        slots = [int(table[b, t // block_size]) * block_size + t % block_size for t in range(n)]
+        slots = [s for s in slots if s not in written]  # a shared prefix is stored once
+        written.update(slots)
+        key = torch.randn(len(slots), num_kv_heads, head_dim, dtype=dtype, device=device)
+        A.store_kv_ref(key, torch.randn_like(key), k_cache, v_cache, torch.tensor(slots, device=device))
+    return k_cache, v_cache, table.to(device)
+
+
+def output_rounding(exact: torch.Tensor, dtype: torch.dtype) -> float:
+    """The error of rounding the exact output to `dtype` once: half an ulp of the largest value, a whole
+    ulp for bf16 under the interpreter, whose fp32 -> bf16 cast truncates (the GPU rounds to nearest)."""
+    top = exact.abs().max().item()
+    if top == 0:
+        return 0.0
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(top))
+    return ulp if INTERPRETER and dtype == torch.bfloat16 else 0.5 * ulp
+
+
+def assert_close_to_exact(out: torch.Tensor, exact: torch.Tensor, torch_same_dtype: torch.Tensor) -> None:
+    """max |out - exact| <= K_TOL x max |torch in out's dtype - exact| + the output's own rounding."""
+    assert out.shape == exact.shape and out.dtype == torch_same_dtype.dtype
+    assert torch.isfinite(out).all(), "non-finite output: a poisoned slot or block was read"
+    err = (out.double() - exact).abs().max().item()
+    torch_err = (torch_same_dtype.double() - exact).abs().max().item()
+    bound = K_TOL[out.dtype] * torch_err + output_rounding(exact, out.dtype)
+    assert err <= bound, (f"max error {err:.3g} > {K_TOL[out.dtype]} x torch's {out.dtype} error {torch_err:.3g} "
+                          f"+ output rounding {output_rounding(exact, out.dtype):.3g}")
+
+
+def decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, context_lens, dtype, device, **kw):
+    k_cache, v_cache, table = paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype, device, **kw)
+    q = torch.randn(len(context_lens), num_q_heads, head_dim, dtype=dtype, device=device)
+    return q, k_cache, v_cache, table, torch.tensor(context_lens, dtype=torch.int32, device=device)
+
+
+def check_decode(q, k_cache, v_cache, table, lens, *, sliding_window=None, **kw) -> torch.Tensor:
+    scale = q.shape[-1] ** -0.5
+    out = A.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=scale,
+                                          sliding_window=sliding_window, **kw)
+    exact = A.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, lens, scale=scale,
+                                         sliding_window=sliding_window)
+    same = A.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=scale,
+                                        sliding_window=sliding_window, compute_dtype=q.dtype)
+    assert_close_to_exact(out, exact, same)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# store_kv
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size,dtype,interleaved", [
+    pytest.param(2, 64, 16, torch.bfloat16, False, id="bf16-d64-bs16"),
+    pytest.param(4, 128, 32, torch.float16, True, id="fp16-d128-bs32-interleaved"),
+    pytest.param(3, 80, 5, torch.float32, False, id="fp32-d80-bs5"),
+])
+def test_store_kv_matches_reference(device, num_kv_heads, head_dim, block_size, dtype, interleaved):
+    num_tokens, num_q_heads, num_blocks = 13, 2 * num_kv_heads, 4
+    # key/value as views of a fused QKV projection output: token stride != num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+    key = qkv[:, num_q_heads * head_dim:(num_q_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, (num_q_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[[0, 5, 12]] = -1  # padding tokens, first, middle and last
+    slots = slots.to(device)
+    k_cache, v_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                                      interleaved=interleaved)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    A.store_kv_triton(key, value, k_cache, v_cache, slots)
+    A.store_kv_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(bits(k_cache), bits(k_ref)) and torch.equal(bits(v_cache), bits(v_ref))
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    assert torch.equal(bits(k_cache[blocks, offsets]), bits(key[keep]))
+    assert torch.equal(bits(v_cache[blocks, offsets]), bits(value[keep]))
+    untouched = torch.ones(num_blocks, block_size, dtype=torch.bool, device=device)
+    untouched[blocks, offsets] = False
+    assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
+
+
+def test_store_kv_no_tokens_and_all_padding(device):
+    k_cache, v_cache = poisoned_cache(2, 16, 1, 64, torch.bfloat16, device)
+    for n in (0, 3):
+        key = torch.randn(n, 1, 64, dtype=torch.bfloat16, device=device)
+        A.store_kv_triton(key, key, k_cache, v_cache, torch.full((n,), -1, dtype=torch.int64, device=device))
+    assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+def _store_args(device):
+    key = torch.randn(5, 2, 64, dtype=torch.bfloat16, device=device)
+    k_cache, v_cache = poisoned_cache(2, 16, 2, 64, torch.bfloat16, device)
+    return dict(key=key, value=key.clone(), k_cache=k_cache, v_cache=v_cache,
+                slot_mapping=torch.arange(5, device=device))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(key=a["key"][:, :, None]), "key must be 3-D"),
+    (lambda a: a.update(value=a["value"][:4]), r"value must have shape \(5, 2, 64\)"),
+    (lambda a: a.update(value=a["value"].half()), "value is torch.float16 but key is torch.bfloat16"),
+    (lambda a: a.update(key=a["key"].int(), value=a["value"].int()), "key must be torch.float16 or"),
+    (lambda a: a.update(k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half()), "k_cache is torch.float16"),
+    (lambda a: a.update(v_cache=a["v_cache"][:1]), "k_cache and v_cache must have one shape"),
+    (lambda a: a.update(k_cache=a["k_cache"][..., :32], v_cache=a["v_cache"][..., :32]), "k_cache has head_dim 32"),
+    (lambda a: a.update(k_cache=a["k_cache"][:, :, :1], v_cache=a["v_cache"][:, :, :1]), "k_cache has 1 kv heads"),
+    (lambda a: a.update(key=a["key"].transpose(1, 2).contiguous().transpose(1, 2)), "key must be contiguous"),
+    (lambda a: a.update(slot_mapping=a["slot_mapping"].int()), "slot_mapping must be torch.int64"),
+    (lambda a: a.update(slot_mapping=a["slot_mapping"][:4]), r"slot_mapping must have shape \(5,\)"),
+    (lambda a: a.update(slot_mapping=a["slot_mapping"].to("meta")), "slot_mapping is on meta"),
+    (lambda a: a.update(k_cache=a["k_cache"].to("meta")), "k_cache is on meta"),
+])
+def test_store_kv_bad_input(device, change, match):
+    args = _store_args(device)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        A.store_kv_triton(**args)
+
+
+@pytest.mark.parametrize("slot,match", [(32, "slot 32 but the cache holds 32 slots"), (1, "one slot twice")])
+def test_store_kv_ref_checks_slot_values(device, slot, match):
+    args = _store_args(device)
+    args["slot_mapping"][4] = slot
+    with pytest.raises(ValueError, match=match):
+        A.store_kv_ref(**args)
+
+
+# --------------------------------------------------------------------------------------------------
+# paged decode attention
+
+
+DECODE_CASES = [
+    pytest.param(2, 2, 64, 16, [1, 17, 45], {}, id="mha-bs16-lens1,17,45"),
+    pytest.param(8, 2, 64, 32, [33, 100, 2], {}, id="gqa4-bs32-lens33,100,2"),
+    pytest.param(7, 1, 128, 16, [70], {}, id="gqa7-d128-B1"),
+    pytest.param(28, 4, 128, 16, [16, 1, 31], {}, id="qwen2-7b-heads"),
+    pytest.param(4, 1, 80, 8, [45], {"interleaved": True}, id="gqa4-d80-bs8-strided-cache"),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["one-pass", "split"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,lens,kw", DECODE_CASES)
+def test_paged_decode_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens, kw, num_splits):
+    inputs = decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, lens, torch.bfloat16, device, **kw)
+    if num_splits > 1:  # the split path must really run with more than one partition
+        plan = A.decode_partition_plan(len(lens), num_kv_heads, head_dim, inputs[3].shape[1] * block_size, device,
+                                       num_splits)
+        assert plan[0] > 1, plan
+    check_decode(*inputs, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split"])
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_paged_decode_sliding_window(device, window, num_splits):
+    inputs = decode_inputs(8, 2, 64, 16, [1, 9, 77], torch.bfloat16, device)
+    check_decode(*inputs, sliding_window=window, num_splits=num_splits)
+
+
+def test_paged_decode_fp32_and_shared_prefix(device):
+    # Two samples of one prompt share 2 prefix blocks; fp32 runs the "ieee" dot.
+    inputs = decode_inputs(4, 2, 64, 16, [40, 37], torch.float32, device, shared_prefix_blocks=2)
+    assert torch.equal(inputs[3][0, :2], inputs[3][1, :2])
+    check_decode(*inputs, num_splits=2)
+
+
+def test_paged_decode_padding_rows_and_max_context_len(device):
+    """context_lens 0 (CUDA-graph padding rows) gives zeros; max_context_len only sizes the partitions."""
+    q, k_cache, v_cache, table, lens = decode_inputs(4, 1, 64, 16, [47, 1, 30], torch.bfloat16, device)
+    lens[1] = 0
+    # Capacity 64 tokens, 32-token tiles: (2, None) and (3, 33) -> 2 partitions of 32; (2, 16) -> one
+    # partition of 32 for a hint below the longest context (47): the last partition runs to the end.
+    for num_splits, max_context_len in ((1, None), (2, None), (2, 16), (3, 33)):
+        out = check_decode(q, k_cache, v_cache, table, lens, num_splits=num_splits, max_context_len=max_context_len)
+        assert (out[1] == 0).all()
+    out = torch.empty_like(q)
+    assert A.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=0.125, out=out) is out
+
+
+def test_decode_num_splits_rule():
+    sms = 132  # H200
+    assert A.decode_num_splits(128, 4, 1024, sms) == 1         # 512 programs fill the GPU
+    assert A.decode_num_splits(33, 4, 1024, sms) == 1
+    assert A.decode_num_splits(16, 4, 4096, sms) == 5          # 64 programs -> ceil(264 / 64)
+    assert A.decode_num_splits(16, 4, 1024, sms) == 4          # partitions >= 256 tokens
+    assert A.decode_num_splits(1, 4, 16384, sms) == 64         # 256 programs
+    assert A.decode_partitions(16384, 64, 64) == (64, 256)
+    assert A.decode_num_splits(1, 1, 10**6, sms) == 264
+    assert A.decode_num_splits(1, 4, 100, sms) == 1
+    assert A.decode_partitions(100, 3, 32) == (2, 64)         # 34 rounded up to whole 32-token tiles
+    assert A.decode_partitions(65, 1, 32) == (1, 96)
+
+
+def _decode_args(device):
+    q, k_cache, v_cache, table, lens = decode_inputs(4, 2, 64, 16, [5, 20], torch.bfloat16, device)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table, context_lens=lens, scale=0.125)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(q=a["q"][None]), "q must be 3-D"),
+    (lambda a: a.update(q=a["q"].double()), "q must be torch.float16 or"),
+    (lambda a: a.update(q=a["q"][:, :3]), r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    (lambda a: a.update(q=a["q"][..., :32]), "k_cache has head_dim 64, the inputs have head_dim 32"),
+    (lambda a: a.update(q=a["q"].half()), "k_cache is torch.bfloat16 but the inputs are torch.float16"),
+    (lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), "q must be contiguous"),
+    (lambda a: a.update(k_cache=a["k_cache"][:, :, :, None]), "k_cache must be 4-D"),
+    (lambda a: a.update(v_cache=a["v_cache"][:, :8]), "k_cache and v_cache must have one shape"),
+    (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must be torch.int32"),
+    (lambda a: a.update(block_tables=a["block_tables"][:1]), "block_tables must have one row per sequence"),
+    (lambda a: a.update(block_tables=a["block_tables"].to("meta")), "block_tables is on meta"),
+    (lambda a: a.update(context_lens=a["context_lens"].long()), "context_lens must be torch.int32"),
+    (lambda a: a.update(context_lens=a["context_lens"][:1]), r"context_lens must have shape \(2,\)"),
+    (lambda a: a.update(scale=0.0), "scale must be a positive finite number"),
+    (lambda a: a.update(sliding_window=0), "sliding_window must be None or an int >= 1"),
+    (lambda a: a.update(num_splits=0), r"num_splits must be None or an int in \[1, 512\]"),
+    (lambda a: a.update(max_context_len=10**6), r"max_context_len must be an int in \[1, 48\]"),
+    (lambda a: a.update(out=a["q"].float()), "out must be torch.bfloat16"),
+])
+def test_paged_decode_bad_input(device, change, match):
+    args = _decode_args(device)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        A.paged_decode_attention_triton(**args)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a["context_lens"].fill_(49), r"context_lens\[0\] = 49 is outside \[0, 48\]"),
+    (lambda a: a["block_tables"].fill_(-1), r"block_tables\[0\] has block ids \[-1\]"),
+])
+def test_paged_decode_ref_checks_index_values(device, change, match):
+    args = _decode_args(device)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        A.paged_decode_attention_ref(**args)
+
+
+# --------------------------------------------------------------------------------------------------
+# prefill attention
+
+
+def prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, dtype, device, *, block_size=None,
+                   shared_prefix_blocks=0):
+    """q and cu_seqlens, plus dense k/v (block_size None) or a paged cache holding all len_k keys."""
+    q = torch.randn(sum(lens_q), num_q_heads, head_dim, dtype=dtype, device=device)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    if block_size is None:
+        k = torch.randn(sum(lens_k), num_kv_heads, head_dim, dtype=dtype, device=device)
+        return dict(q=q, k=k, v=torch.randn_like(k), **kw)
+    k_cache, v_cache, table = paged_kv(lens_k, block_size, num_kv_heads, head_dim, dtype, device,
+                                       shared_prefix_blocks=shared_prefix_blocks)
+    return dict(q=q, k=None, v=None, k_cache=k_cache, v_cache=v_cache, block_tables=table, **kw)
+
+
+def check_prefill(args: dict, sliding_window=None) -> torch.Tensor:
+    args = dict(args, scale=args["q"].shape[-1] ** -0.5, sliding_window=sliding_window)
+    out = A.prefill_attention_triton(**args)
+    wide = {name: (t.double() if t is not None and t.is_floating_point() else t) for name, t in args.items()
+            if isinstance(t, torch.Tensor) or t is None}
+    exact = A.prefill_attention_ref(**{**args, **wide})
+    same = A.prefill_attention_ref(**args, compute_dtype=args["q"].dtype)
+    assert_close_to_exact(out, exact, same)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["causal", "window4"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,lens_q,lens_k", [
+    pytest.param(2, 2, 64, [1, 5, 19], [1, 5, 19], id="mha-self"),
+    pytest.param(4, 1, 64, [16, 32], [16, 33], id="gqa4-tile-edges"),
+    pytest.param(8, 2, 64, [3, 1, 17], [10, 7, 17], id="gqa4-bottom-right"),
+    pytest.param(7, 1, 128, [18], [18], id="gqa7-d128"),
+])
+def test_prefill_dense_matches_reference(device, num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, window):
+    check_prefill(prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, torch.bfloat16, device), window)
+
+
+def test_prefill_rows_without_keys_are_zero(device):
+    # len_k < len_q: the first len_q - len_k queries see nothing (flash-attn gives zeros too).
+    out = check_prefill(prefill_inputs(4, 2, 64, [5], [2], torch.bfloat16, device))
+    assert (out[:3] == 0).all() and (out[3:] != 0).any()
+
+
+@pytest.mark.parametrize("window", [None, 9], ids=["causal", "window9"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,lens_q,lens_k,shared", [
+    # the n = 3 samples of one prompt: 2 shared prefix blocks (32 tokens), then their own tokens
+    pytest.param(8, 2, 64, 16, [5, 1, 3], [37, 33, 35], 2, id="shared-prefix-bs16"),
+    # chunked prefill: this chunk of 7 after 20 tokens of earlier chunks; and a first chunk of 13
+    pytest.param(7, 1, 128, 32, [7, 13], [27, 13], 0, id="chunked-gqa7-d128-bs32"),
+])
+def test_prefill_paged_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens_q, lens_k,
+                                         shared, window):
+    args = prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, torch.bfloat16, device,
+                          block_size=block_size, shared_prefix_blocks=shared)
+    check_prefill(args, window)
+
+
+def test_prefill_fp32(device):
+    check_prefill(prefill_inputs(4, 2, 64, [6, 17], [6, 20], torch.float32, device))
+    check_prefill(prefill_inputs(4, 2, 64, [6, 17], [6, 20], torch.float32, device, block_size=16))
+
+
+def _prefill_args(device, paged: bool):
+    args = prefill_inputs(4, 2, 64, [3, 5], [3, 20], torch.bfloat16, device, block_size=16 if paged else None)
+    return dict(args, scale=0.125)
+
+
+@pytest.mark.parametrize("paged,change,match", [
+    (False, lambda a: a.update(q=a["q"][0]), "q must be 3-D"),
+    (False, lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q must be torch.int32"),
+    (False, lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:2]), r"cu_seqlens_k must have shape \(3,\)"),
+    (False, lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"].to("meta")), "cu_seqlens_k is on meta"),
+    (False, lambda a: a.update(max_seqlen_q=None), "max_seqlen_q must be an int >= 0"),
+    (False, lambda a: a.update(k=a["k"].half()), "k is torch.float16 but q is torch.bfloat16"),
+    (False, lambda a: a.update(v=a["v"][:4]), r"v must have shape \(23, 2, 64\)"),
+    (False, lambda a: a.update(k=a["k"][:, :, :32], v=a["v"][:, :, :32]), "k has head_dim 32, q has head_dim 64"),
+    (False, lambda a: a.update(q=a["q"][:, :3]), r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    (False, lambda a: a.update(k=None), "k must be a torch.Tensor"),
+    (False, lambda a: a.update(sliding_window=-1), "sliding_window must be None or an int >= 1"),
+    (False, lambda a: a.update(k_cache=a["k"]), "k_cache and v_cache are only read through block_tables"),
+    (True, lambda a: a.update(k=a["q"]), "k and v must be None when block_tables is given"),
+    (True, lambda a: a.update(v_cache=None), "block_tables needs k_cache and v_cache"),
+    (True, lambda a: a.update(block_tables=a["block_tables"][:1]), r"one row per sequence \(B = 2"),
+    (True, lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must be torch.int32"),
+    (True, lambda a: a.update(k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half()), "k_cache is torch.float16"),
+])
+def test_prefill_bad_input(device, paged, change, match):
+    args = _prefill_args(device, paged)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        A.prefill_attention_triton(**args)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(max_seqlen_k=19), "sequence 1 has 5 queries and 20 keys, over"),
+    (lambda a: a["cu_seqlens_q"].__setitem__(2, 7), r"cu_seqlens_q must run from 0 to total_q = 8"),
+    (lambda a: a["block_tables"].__setitem__((1, 1), 10**4), r"block_tables\[1\] has block ids"),
+])
+def test_prefill_ref_checks_index_values(device, change, match):
+    args = _prefill_args(device, paged=True)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        A.prefill_attention_ref(**args)
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_ops_run_the_reference_on_cpu():
+    dev = torch.device("cpu")
+    args = _decode_args(dev)
+    torch.testing.assert_close(A.paged_decode_attention(**args), A.paged_decode_attention_ref(**args), rtol=0, atol=0)
+    pargs = _prefill_args(dev, paged=True)
+    torch.testing.assert_close(A.prefill_attention(**pargs), A.prefill_attention_ref(**pargs), rtol=0, atol=0)
+    sargs, ref = _store_args(dev), _store_args(dev)
+    ref["key"], ref["value"] = sargs["key"], sargs["value"]
+    A.store_kv(**sargs)
+    A.store_kv_ref(**ref)
+    assert torch.equal(bits(sargs["k_cache"]), bits(ref["k_cache"]))
+    assert A.implementations("cpu") == {op: "torch reference" for op in
+                                        ("store_kv", "paged_decode_attention", "prefill_attention")}
+
+
+def test_kernels_import_as_package():
+    from hybridengine.kernels import kv_cache, paged_attention, prefill_attention
+
+    for kernel in (kv_cache.store_kv_kernel, paged_attention.paged_decode_kernel,
+                   paged_attention.paged_decode_reduce_kernel, prefill_attention.prefill_attention_kernel):
+        assert hasattr(kernel, "run"), kernel
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: Qwen2-7B shapes per GPU (28 q heads, 4 kv heads, head_dim 128), bf16, block_size 16
+
+
+QWEN2_7B = dict(num_q_heads=28, num_kv_heads=4, head_dim=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_gpu_paged_decode_qwen2_7b(device, num_splits):
+    lens = torch.randint(900, 1100, (64,)).tolist()
+    check_decode(*decode_inputs(block_size=16, context_lens=lens, dtype=torch.bfloat16, device=device, **QWEN2_7B),
+                 num_splits=num_splits)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_decode_long_context_split(device):
+    inputs = decode_inputs(block_size=16, context_lens=[16000], dtype=torch.bfloat16, device=device, **QWEN2_7B)
+    check_decode(*inputs)  # auto: split-K over ~64 partitions
+    check_decode(*inputs, sliding_window=4096)
+
+
+@pytest.mark.gpu
+def test_gpu_store_kv_qwen2_7b(device):
+    k_cache, v_cache = poisoned_cache(4096, 16, 4, 128, torch.bfloat16, device)
+    key = torch.randn(2000, 4, 128, dtype=torch.bfloat16, device=device)
+    slots = torch.randperm(4096 * 16, device=device)[:2000]
+    slots[::7] = -1
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    A.store_kv(key, -key, k_cache, v_cache, slots)
+    A.store_kv_ref(key, -key, k_ref, v_ref, slots)
+    assert torch.equal(bits(k_cache), bits(k_ref)) and torch.equal(bits(v_cache), bits(v_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged-prefix"])
+def test_gpu_prefill_qwen2_7b(device, paged):
+    lens_q = torch.randint(100, 500, (8,)).tolist()
+    lens_k = [n + (256 if paged else 0) for n in lens_q]
+    args = prefill_inputs(28, 4, 128, lens_q, lens_k, torch.bfloat16, device, block_size=16 if paged else None,
+                          shared_prefix_blocks=16 if paged else 0)
+    check_prefill(args)
+    check_prefill(args, sliding_window=128)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_dispatch(device):
+    """The op as the engine calls it: flash-attn's varlen kernel when installed (dense here), else Triton."""
+    args = prefill_inputs(28, 4, 128, [300, 17, 129], [300, 17, 129], torch.bfloat16, device)
+    args = dict(args, scale=128**-0.5)
+    out = A.prefill_attention(**args)
+    wide = {k: v.double() for k, v in args.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    exact = A.prefill_attention_ref(**{**args, **wide})
+    # flash-attn rounds P to bf16 before P @ V: allow torch's bf16 error twice over
+    same = A.prefill_attention_ref(**args, compute_dtype=torch.bfloat16)
+    err, torch_err = ((t.double() - exact).abs().max().item() for t in (out, same))
+    assert err <= 2 * torch_err + output_rounding(exact, torch.bfloat16)
