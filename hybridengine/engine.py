@@ -21,6 +21,7 @@ from .loading import load_model
 from .model import CausalLM
 from .runner import KVCache, ModelRunner
 from .sampling import SamplingParams, sample
+from .tp import local_config, parallelize
 from .scheduler import BlockManager, Scheduler, Sequence
 
 
@@ -92,8 +93,6 @@ class HybridEngine:
         if self.world_size % config.tp_generation:
             raise ValueError(f"EngineConfig.tp_generation={config.tp_generation} must divide the world size "
                              f"{self.world_size}")
-        if config.tp_generation > 1:
-            raise ValueError("EngineConfig.tp_generation > 1 is not implemented yet; use 1")
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -104,6 +103,7 @@ class HybridEngine:
         else:
             self.model = self._build_sharded(source)
         self.model.eval()
+        self.vocab_size = self.sharded_vocab if self.sharded is not None else self.model.config.vocab_size
         self._runner: ModelRunner | None = None
         self._scheduler: Scheduler | None = None
         self.stats: dict[str, float] = {}
@@ -117,9 +117,18 @@ class HybridEngine:
         self.sharded = ShardedBuffer(specs, dtype=cfg.dtype, device=self.device, tp_size=cfg.tp_generation)
         self.sharded.load_({n: p.detach() for n, p in full.named_parameters()})
         buffer = FlatParamBuffer(self.sharded.layout, dtype=cfg.dtype, rank=self.rank, data=self.sharded.gen.data)
-        model = CausalLM(full.config, buffer=buffer)
+        tp = cfg.tp_generation
+        self.sharded_vocab = full.config.vocab_size
+        model = CausalLM(local_config(full.config, tp), buffer=buffer)
         del full
-        return model
+        return parallelize(model, vocab_size=self.sharded_vocab, tp_rank=self.sharded.tp_rank, tp_size=tp,
+                           group=self.sharded.tp_group)
+
+    def _tp_group(self):
+        if self.sharded is None or self.config.tp_generation == 1:
+            return None
+        self._tp_src = dist.get_global_rank(self.sharded.tp_group, 0)
+        return self.sharded.tp_group
 
     # -- rollout ------------------------------------------------------------------------------------
 
@@ -176,7 +185,7 @@ class HybridEngine:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        vocab, max_len = self.model.config.vocab_size, self.config.max_model_len
+        vocab, max_len = self.vocab_size, self.config.max_model_len
         blocks = self._runner.kv.num_blocks
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             if not isinstance(p, SamplingParams):
@@ -199,6 +208,11 @@ class HybridEngine:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        tp_group = self._tp_group()
+        if tp_group is not None:  # a TP group generates one batch: its first rank's
+            shared = [prompts, params]
+            dist.broadcast_object_list(shared, src=self._tp_src, group=tp_group)
+            prompts, params = shared
         self._validate(prompts, params)
         c = self.config
         blocks = BlockManager(self._runner.kv.num_blocks, c.block_size)
@@ -231,6 +245,9 @@ class HybridEngine:
                 if seq.generator is None and seq.params.seed is not None:
                     seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed * 100003 + seq.sample)
             tokens, logprobs = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
+            if tp_group is not None:  # every TP rank must continue with the same tokens
+                dist.broadcast(tokens, src=self._tp_src, group=tp_group)
+                dist.broadcast(logprobs, src=self._tp_src, group=tp_group)
             if not batch.is_prefill:
                 torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
                 decode_s += time.perf_counter() - ts

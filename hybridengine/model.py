@@ -342,7 +342,8 @@ class CausalLM(nn.Module):
         shapes = [(name, tuple(p.shape)) for name, p in self.named_parameters()]
         if buffer is None:
             buffer = FlatParamBuffer(param_specs(shapes, config.head_dim), dtype=dtype, device=device)
-        elif [(s.name, s.shape) for s in buffer.layout.specs] != shapes:
+        elif [(n, tuple(buffer.view(n).shape)) for n in buffer.names] != shapes:
+            # (a TP-sliced buffer matches the config of the local shapes: see tp.local_config)
             raise ValueError("CausalLM: the given buffer's parameters (names, shapes, order) do not match "
                              f"this config's; expected {shapes}")
         self.flat_buffer = buffer

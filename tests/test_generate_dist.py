@@ -1,0 +1,73 @@
+"""Generation on the sharded buffer over gloo: N = 2 and 4 with tg in {1, 2, 4} equals one process."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+import hybridengine as he
+
+PROMPT_LENS = [3, 9, 17, 6]
+
+
+def build(name):
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(he.model_config(name)).eval()
+    for p in hf.parameters():
+        p.data.add_(torch.randn_like(p) * 0.02)
+    return hf
+
+
+def config(tp):
+    return he.EngineConfig(dtype=torch.float32, device="cpu", tp_generation=tp, block_size=4, max_model_len=48,
+                           max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def prompts(vocab):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def run(engine, vocab, rounds=2):
+    outs = []
+    for _ in range(rounds):  # two rollouts: the switch back and forth keeps the weights
+        with engine.rollout():
+            res = engine.generate(prompts(vocab), he.SamplingParams(n=2, temperature=0.0, max_tokens=8))
+        outs.append([[o.token_ids for o in r.outputs] for r in res])
+    return outs
+
+
+def _worker(rank, world, init_file, name, tp, expected, errors):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        hf = build(name)
+        engine = he.HybridEngine(hf, config(tp))
+        got = run(engine, hf.config.vocab_size)
+        if got != expected:
+            errors.put(f"rank {rank} (N={world}, tg={tp}): {got} != {expected}")
+    except Exception:  # noqa: BLE001
+        import traceback
+
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,world,tp", [("tiny-qwen2", 2, 1), ("tiny-qwen2", 2, 2), ("tiny-llama", 4, 2),
+                                           ("tiny-qwen3", 2, 2)])
+def test_sharded_generation_equals_single_process(name, world, tp):
+    hf = build(name)
+    expected = run(he.HybridEngine(hf, config(1)), hf.config.vocab_size)
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), name, tp, expected, errors),
+                           nprocs=world, start_method="spawn", join=True)
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    assert not messages, "\n".join(messages)
