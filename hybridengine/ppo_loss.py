@@ -1,0 +1,648 @@
+"""PPO/GRPO policy loss over the LM head without materialising the logits; token log-probs; value loss.
+
+Three layers, as for every op: the plain-torch references (`ppo_loss_ref`, `token_logprobs_ref`:
+full logits in fp32, autograd does the rest), the fused path (cuBLAS chunk GEMMs + the row
+kernels of `hybridengine.kernels.ppo_loss`, wrapped in `autograd.Function`s), and the public
+`ppo_loss` / `token_logprobs` that validate and pick one: the kernels on CUDA, the reference on
+CPU. `value_loss` is elementwise on [B, T] and is plain torch everywhere.
+
+The fused PPO loss computes its gradients in the forward (exact: each token's gradient needs only
+its own logits row and the aggregation weights, which come from the mask alone). Per chunk of
+`C` tokens (`h` [C, H], `W` [V, H]):
+
+    x = h @ W.T (+ b)                    cuBLAS, 2*C*H*V flops, x in the input dtype [C, V]
+    lse, logp, entropy = logit_stats(x)  Triton, one read of x
+    g_logp, g_ent = PPO coefficients     torch, O(C): dloss/dlogp and dloss/dentropy per token
+    x <- dloss/dx                        Triton, in place, one read + one write of x
+    grad_h[chunk] = x @ W                cuBLAS, 2*C*H*V
+    grad_W += x.T @ h                    cuBLAS, 2*C*H*V (beta = 1: reads and writes grad_W once)
+
+Total 6*M*H*V flops (the floor for forward + backward) and 6 bytes per logit of elementwise
+traffic in bf16. Memory beyond the inputs: one [C, V] logits chunk, grad_W (weight's dtype),
+grad_h, and O(M) fp32 vectors. The backward only scales the saved gradients by grad_output.
+Masked-out tokens are never computed (their loss terms and gradients are zero): with 40% padding
+the op costs 60% of the flops. One host sync per call validates targets and mask and counts tokens.
+
+`token_logprobs` runs the first half (2*M*H*V) and, when a gradient is needed, recomputes the
+chunks in its backward (another 6*M*H*V).
+
+Precision: the chunk logits are rounded to the input dtype by the GEMM exactly as in naive torch
+(`(hidden @ weight.T).float()`), and everything after that is fp32. grad_W is accumulated in the
+weight's dtype across chunks (one rounding per chunk; an fp32 accumulator would cost 2 GiB more
+at V = 152k, H = 3584).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .ops._ext import warn_once
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+LOGITS_CHUNK_BYTES = 2**30
+"""Budget of the one [C, V] logits chunk. At V = 152064 bf16 it gives C <= 3530 tokens: a GEMM of
+2*C*H*V = 3.8 TFLOP per chunk (~5 ms, long enough for cuBLAS to run at its peak), and the grad_W
+read-modify-write of the beta = 1 GEMM (2 x 1.09 GB per chunk, ~0.5 ms at 4.2 TB/s) stays near 10%
+of the chunk. Halving it halves the memory and doubles that overhead. Not yet measured on the GPU:
+bench/ppo_loss.py sweeps C at M = 32k."""
+CHUNK_ALIGN = 128
+"""Chunk rows are a multiple of this (GEMM tile height) except for the last."""
+
+
+# --------------------------------------------------------------------------------------------
+# configuration and validation
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _LossConfig:
+    """The scalar knobs of `ppo_loss`, validated once."""
+
+    clip_low: float = 0.2
+    """Lower PPO clip: the ratio is clamped at 1 - clip_low (0 <= clip_low < 1)."""
+    clip_high: float = 0.2
+    """Upper PPO clip: the ratio is clamped at 1 + clip_high (>= 0)."""
+    clip_ratio_c: float | None = None
+    """Dual clip (> 1): for A < 0 the per-token loss is capped at -A * clip_ratio_c; None: off."""
+    kl_coef: float = 0.0
+    """Weight of agg(kl) in the loss; nonzero needs ref_logprobs."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3 (http://joschu.net/blog/kl-approx.html)."""
+    entropy_coef: float = 0.0
+    """Weight of -agg(entropy) in the loss."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-mean or seq-mean-token-sum."""
+
+    def __post_init__(self):
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
+        if not self.clip_high >= 0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c must be > 1 (or None), got {self.clip_ratio_c}")
+        for name in ("kl_coef", "entropy_coef"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+
+
+def _check_temperature(temperature: float) -> None:
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _check_head(op: str, hidden, weight, bias, targets) -> None:
+    """hidden [B, T, H] float, weight [V, H] and bias [V] of hidden's dtype, targets [B, T] int; one device."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
+        raise ValueError(f"{op}: hidden must be a float [B, T, H] tensor, got "
+                         f"{_describe(hidden)}")
+    if hidden.dtype not in (*KERNEL_DTYPES, torch.float64):
+        raise ValueError(f"{op}: hidden must be bf16, fp16, fp32 or fp64, got {hidden.dtype}")
+    B, T, H = hidden.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != H or weight.shape[0] < 1:
+        raise ValueError(f"{op}: weight must be [V, H] with H = {H} (hidden's last dim), got {_describe(weight)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"{op}: weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"{op}: weight is on {weight.device}, hidden on {hidden.device}")
+    V = weight.shape[0]
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (V,):
+            raise ValueError(f"{op}: bias must be [V] = [{V}] or None, got {_describe(bias)}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise ValueError(f"{op}: bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
+    if not isinstance(targets, torch.Tensor) or targets.shape != (B, T):
+        raise ValueError(f"{op}: targets must be [B, T] = [{B}, {T}], got {_describe(targets)}")
+    if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"{op}: targets must be an integer tensor, got {targets.dtype}")
+    if targets.device != hidden.device:
+        raise ValueError(f"{op}: targets are on {targets.device}, hidden on {hidden.device}")
+
+
+def _check_bt(op: str, name: str, x, shape, device, *, floating: bool = True) -> None:
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must be [B, T] = {list(shape)}, got {_describe(x)}")
+    if floating and not x.is_floating_point():
+        raise ValueError(f"{op}: {name} must be a float tensor, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{op}: {name} is on {x.device}, expected {device}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _mask_bool(op: str, mask: torch.Tensor, shape, device) -> torch.Tensor:
+    _check_bt(op, "mask", mask, shape, device, floating=False)
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex():
+        raise ValueError(f"{op}: mask must be bool, integer or float 0/1, got {mask.dtype}")
+    return mask != 0
+
+
+def _check_values(op: str, targets: torch.Tensor, vocab: int, mask: torch.Tensor | None,
+                  mask_bool: torch.Tensor | None) -> int:
+    """Targets in [0, V) where the mask is set, mask entries 0/1; returns the number of masked-in
+    tokens. One host sync for all checks."""
+    bad_target = (targets < 0) | (targets >= vocab)
+    checks = []
+    if mask_bool is not None:
+        bad_target &= mask_bool
+        bad_mask = torch.zeros((), dtype=torch.bool, device=mask.device) if mask.dtype == torch.bool else \
+            ((mask != 0) & (mask != 1)).any()
+        checks = [bad_mask, mask_bool.sum()]
+    flags = torch.stack([bad_target.any().long(), *[c.long() for c in checks]]).tolist()
+    if flags[0]:
+        where = "where mask is set " if mask_bool is not None else ""
+        raise ValueError(f"{op}: targets must lie in [0, {vocab}) {where}(the vocabulary is weight.shape[0])")
+    if mask_bool is None:
+        return targets.numel()
+    if flags[1]:
+        raise ValueError(f"{op}: mask must hold only 0 and 1")
+    return flags[2]
+
+
+# --------------------------------------------------------------------------------------------
+# the per-token policy math, shared by the reference and the fused path
+
+
+def _aggregate(values: torch.Tensor, mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """agg(L) under a bool mask, 0 when nothing is masked in; masked-out entries never reach the sum."""
+    masked = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    if loss_agg == "token-mean":
+        return masked.sum() / mask.sum().clamp_min(1).to(values.dtype)
+    tokens = mask.sum(-1)
+    num_seqs = (tokens > 0).sum().clamp_min(1).to(values.dtype)
+    if loss_agg == "seq-mean-token-mean":
+        return (masked.sum(-1) / tokens.clamp_min(1).to(values.dtype)).sum() / num_seqs
+    return masked.sum() / num_seqs
+
+
+def _agg_weights(mask: torch.Tensor, loss_agg: str, dtype: torch.dtype) -> torch.Tensor:
+    """w with agg(L) = sum(w * L) for every L: the linear map `_aggregate` applies."""
+    m = mask.to(dtype)
+    if loss_agg == "token-mean":
+        return m / m.sum().clamp_min(1)
+    tokens = m.sum(-1, keepdim=True)
+    num_seqs = (tokens > 0).sum().clamp_min(1).to(dtype)
+    if loss_agg == "seq-mean-token-mean":
+        return m / (tokens.clamp_min(1) * num_seqs)
+    return m / num_seqs
+
+
+def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    if estimator == "k1":
+        return logp - ref
+    if estimator == "k2":
+        return 0.5 * (logp - ref) ** 2
+    x = torch.clamp(ref - logp, -20, 20)
+    return torch.clamp(torch.exp(x) - x - 1, -10, 10)
+
+
+def _policy_terms(logp: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  ref_logprobs: torch.Tensor | None, cfg: _LossConfig) -> dict[str, torch.Tensor]:
+    """Per-token pg, kl (None without ref_logprobs), d, and the clip indicators: the issue's semantics, verbatim."""
+    dt = logp.dtype
+    adv = advantages.to(dt)
+    d = torch.clamp(logp - old_logprobs.to(dt), -20, 20)
+    ratio = torch.exp(d)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+    pg = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    if cfg.clip_ratio_c is not None:
+        pg3 = -adv * cfg.clip_ratio_c
+        dual = (adv < 0) & (pg > pg3)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
+    else:
+        dual = torch.zeros_like(clipped)
+    kl = None if ref_logprobs is None else _kl(logp, ref_logprobs.to(dt), cfg.kl_estimator)
+    return dict(pg=pg, kl=kl, d=d, clipped=clipped, dual=dual)
+
+
+def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor, ref_logprobs: torch.Tensor | None, cfg: _LossConfig
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """loss and metrics from per-token logp and entropy [B, T] under a bool mask."""
+    dt = logp.dtype
+    terms = _policy_terms(logp, old_logprobs, advantages, ref_logprobs, cfg)
+    agg = lambda x: _aggregate(x, mask, cfg.loss_agg)  # noqa: E731
+    token_mean = lambda x: _aggregate(x, mask, "token-mean")  # noqa: E731
+    pg_loss = agg(terms["pg"])
+    ent = agg(entropy)
+    kl_loss = torch.zeros((), dtype=dt, device=logp.device) if terms["kl"] is None else agg(terms["kl"])
+    loss = pg_loss - cfg.entropy_coef * ent + cfg.kl_coef * kl_loss
+    metrics = dict(pg_loss=pg_loss, pg_clipfrac=token_mean(terms["clipped"].to(dt)),
+                   pg_clipfrac_lower=token_mean(terms["dual"].to(dt)), ppo_kl=token_mean(-terms["d"]), entropy=ent,
+                   kl_loss=kl_loss)
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def _policy_grad_logp(logp, old, adv, ref, weights, cfg: _LossConfig) -> torch.Tensor:
+    """dloss/dlogp per token (1-D), written out by hand with torch autograd's conventions for the
+    same expressions as `_policy_loss`: clamp passes the gradient on its closed interval, maximum and
+    minimum split it in half on ties, where() routes it to the chosen branch."""
+    dt = logp.dtype
+    adv = adv.to(dt)
+    raw = logp - old.to(dt)
+    d = raw.clamp(-20, 20)
+    ratio = torch.exp(d)
+    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(lo, hi)
+    g1 = -adv  # dpg1/dratio
+    g2 = torch.where((ratio >= lo) & (ratio <= hi), -adv, 0.0)  # dpg2/dratio
+    g = torch.where(pg1 > pg2, g1, torch.where(pg1 < pg2, g2, 0.5 * (g1 + g2)))
+    if cfg.clip_ratio_c is not None:
+        pg = torch.maximum(pg1, pg2)
+        pg3 = -adv * cfg.clip_ratio_c
+        capped = torch.where(pg < pg3, g, torch.where(pg == pg3, 0.5 * g, 0.0))
+        g = torch.where(adv < 0, capped, g)
+    grad = g * ratio * ((raw >= -20) & (raw <= 20)).to(dt)
+    if ref is not None and cfg.kl_coef != 0:
+        ref = ref.to(dt)
+        if cfg.kl_estimator == "k1":
+            dkl = torch.ones_like(logp)
+        elif cfg.kl_estimator == "k2":
+            dkl = logp - ref
+        else:
+            x_raw = ref - logp
+            x = x_raw.clamp(-20, 20)
+            k3 = torch.exp(x) - x - 1
+            live = (x_raw >= -20) & (x_raw <= 20) & (k3 >= -10) & (k3 <= 10)
+            dkl = torch.where(live, 1 - torch.exp(x), 0.0)
+        grad = grad + cfg.kl_coef * dkl
+    # A zero weight zeroes the gradient even where the masked-out inputs are inf or NaN.
+    return torch.where(weights != 0, weights * grad, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# references
+
+
+def _logprobs_ref(hidden, weight, targets, bias, temperature) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive: the full [B, T, V] logits in the input dtype, then fp32 (fp64 for fp64 inputs)."""
+    logits = F.linear(hidden, weight, bias)
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    log_probs = torch.log_softmax(z, dim=-1)
+    logp = log_probs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logp, entropy
+
+
+def ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask, *, bias=None, temperature=1.0,
+                 clip_low=0.2, clip_high=0.2, clip_ratio_c=None, ref_logprobs=None, kl_coef=0.0, kl_estimator="k3",
+                 entropy_coef=0.0, loss_agg="token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain-torch `ppo_loss`: materialises the full logits in fp32 (the tests' and benches' reference)."""
+    cfg = _LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
+                      kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
+    mask_bool, _ = _check_policy("ppo_loss_ref", hidden, weight, bias, targets, old_logprobs, advantages, mask,
+                                 ref_logprobs, temperature, cfg)
+    return _ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask_bool, bias, temperature,
+                         ref_logprobs, cfg)
+
+
+def _ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask_bool, bias, temperature, ref_logprobs, cfg):
+    safe_targets = torch.where(mask_bool, targets, torch.zeros_like(targets))  # masked-out targets may be padding
+    logp, entropy = _logprobs_ref(hidden, weight, safe_targets, bias, temperature)
+    return _policy_loss(logp, entropy, old_logprobs, advantages, mask_bool, ref_logprobs, cfg)
+
+
+def token_logprobs_ref(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False):
+    """Plain-torch `token_logprobs`: full logits in fp32."""
+    _check_head("token_logprobs_ref", hidden, weight, bias, targets)
+    _check_temperature(temperature)
+    _check_values("token_logprobs_ref", targets, weight.shape[0], None, None)
+    logp, entropy = _logprobs_ref(hidden, weight, targets, bias, temperature)
+    return (logp, entropy) if return_entropy else logp
+
+
+def _check_policy(op, hidden, weight, bias, targets, old_logprobs, advantages, mask, ref_logprobs, temperature,
+                  cfg: _LossConfig) -> tuple[torch.Tensor, int]:
+    """All of ppo_loss's checks; returns the bool mask and the number of masked-in tokens."""
+    _check_head(op, hidden, weight, bias, targets)
+    _check_temperature(temperature)
+    shape, device = targets.shape, hidden.device
+    _check_bt(op, "old_logprobs", old_logprobs, shape, device)
+    _check_bt(op, "advantages", advantages, shape, device)
+    if ref_logprobs is not None:
+        _check_bt(op, "ref_logprobs", ref_logprobs, shape, device)
+    elif cfg.kl_coef != 0:
+        raise ValueError(f"{op}: kl_coef = {cfg.kl_coef} needs ref_logprobs")
+    mask_bool = _mask_bool(op, mask, shape, device)
+    num_tokens = _check_values(op, targets, weight.shape[0], mask, mask_bool)
+    return mask_bool, num_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# the fused path
+
+
+def _chunk_rows(num_rows: int, vocab: int, element_size: int) -> int:
+    """Rows per chunk: at most the largest multiple of CHUNK_ALIGN within LOGITS_CHUNK_BYTES, evened
+    out over the chunks so the last is not a sliver (M = 8192 at V = 152k bf16: 2816 + 2816 + 2560,
+    not 3456 + 3456 + 1280)."""
+    cap = max(CHUNK_ALIGN, LOGITS_CHUNK_BYTES // (vocab * element_size) // CHUNK_ALIGN * CHUNK_ALIGN)
+    if num_rows <= cap:
+        return max(num_rows, 1)
+    per_chunk = -(-num_rows // -(-num_rows // cap))
+    return min(cap, -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN)
+
+
+def _kernels():
+    from .kernels import ppo_loss as kernels  # Triton imported on first use, after TRITON_INTERPRET is set
+
+    return kernels
+
+
+def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+               rows: torch.Tensor | None, *, temperature: float, coefs=None, grad_hidden=None, grad_weight=None,
+               grad_bias=None, chunk_rows: int | None = None, block_v: int | None = None):
+    """One pass over the LM head, chunk by chunk, never holding more than one [C, V] logits chunk.
+
+    hidden [B, T, H] (any strides: a [:, -T:] slice of the prompt+response states is read chunk by
+    chunk, never copied whole), targets [B * T] int64; `rows` (1-D int64 into the B * T tokens) selects
+    the rows to compute, None = all. Returns fp32 (lse, logp, entropy), one entry per selected row.
+    With `coefs(start, end, logp, entropy) -> (dL/dlogp, dL/dentropy)` for the chunk's selected rows,
+    also turns each chunk into dL/dlogits and accumulates it into grad_hidden [B * T, H] (rows not
+    selected are left alone), grad_weight [V, H] and grad_bias (fp32 [V]), whichever are given.
+    """
+    kernels = _kernels()
+    B, T, H = hidden.shape
+    try:
+        flat = hidden.view(B * T, H)
+    except RuntimeError:  # not viewable as rows: gather each chunk from the 3-D tensor
+        flat = None
+    num = B * T if rows is None else rows.numel()
+    vocab = weight.shape[0]
+    device = hidden.device
+    stats = tuple(torch.empty(num, dtype=torch.float32, device=device) for _ in range(3))
+    if num == 0:
+        return stats
+    chunk = chunk_rows or _chunk_rows(num, vocab, hidden.element_size())
+    buffer = torch.empty(min(chunk, num), vocab, dtype=hidden.dtype, device=device)
+    inv_t = 1.0 / temperature
+    for start in range(0, num, chunk):
+        end = min(start + chunk, num)
+        index = None if rows is None else rows[start:end]
+        if flat is None:
+            token = torch.arange(start, end, device=device) if index is None else index
+            h = hidden[token // T, token % T]
+        else:
+            h = flat[start:end] if index is None else flat.index_select(0, index)
+        t = targets[start:end] if index is None else targets.index_select(0, index)
+        x = buffer[:end - start]
+        if bias is None:
+            torch.mm(h, weight.t(), out=x)
+        else:
+            torch.addmm(bias, h, weight.t(), out=x)
+        lse, logp, ent = (s[start:end] for s in stats)
+        kernels.logit_stats(x, t, inv_temperature=inv_t, out=(lse, logp, ent), block_v=block_v)
+        if coefs is None:
+            continue
+        g_logp, g_ent = coefs(start, end, logp, ent)
+        kernels.logit_grad_(x, t, lse, ent, g_logp.contiguous(), g_ent.contiguous(), inv_temperature=inv_t,
+                            block_v=block_v)
+        if grad_hidden is not None:
+            if index is None:
+                torch.mm(x, weight, out=grad_hidden[start:end])
+            else:
+                grad_hidden.index_copy_(0, index, x @ weight)
+        if grad_weight is not None:
+            grad_weight.addmm_(x.t(), h)
+        if grad_bias is not None:
+            grad_bias += x.sum(0, dtype=torch.float32)
+    return stats
+
+
+def _grad_buffers(hidden, weight, bias, needs, rows):
+    """Gradient buffers: grad_hidden [B * T, H] (contiguous whatever hidden's strides), grad_weight, fp32 grad_bias."""
+    need_h, need_w, need_b = needs
+    grad_h = None
+    if need_h:  # rows that are not computed keep a zero gradient
+        shape = (hidden.shape[0] * hidden.shape[1], hidden.shape[2])
+        new = torch.empty if rows is None else torch.zeros
+        grad_h = new(shape, dtype=hidden.dtype, device=hidden.device)
+    grad_w = torch.zeros_like(weight) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+    return grad_h, grad_w, grad_b
+
+
+class _FusedPolicyLoss(torch.autograd.Function):
+    """Forward computes loss, metrics and all gradients; backward scales the gradients by grad_output."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, old_logprobs, advantages, mask_bool, ref_logprobs, rows,
+                cfg, temperature, needs, chunk_rows, block_v):
+        B, T, H = hidden.shape
+
+        def flat(x):  # [B, T] -> the computed rows
+            if x is None:
+                return None
+            return x.reshape(-1) if rows is None else x.reshape(-1)[rows]
+
+        weights = flat(_agg_weights(mask_bool, cfg.loss_agg, torch.float32))
+        old, adv, ref = flat(old_logprobs), flat(advantages), flat(ref_logprobs)
+        g_ent = -cfg.entropy_coef * weights
+
+        def coefs(start, end, logp, ent):
+            part = slice(start, end)
+            g_logp = _policy_grad_logp(logp, old[part], adv[part], None if ref is None else ref[part],
+                                       weights[part], cfg)
+            return g_logp, g_ent[part]
+
+        grad_h, grad_w, grad_b = _grad_buffers(hidden, weight, bias, needs, rows)
+        _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1).long(), rows, temperature=temperature,
+                                      coefs=coefs if any(needs) else None, grad_hidden=grad_h, grad_weight=grad_w,
+                                      grad_bias=grad_b, chunk_rows=chunk_rows, block_v=block_v)
+        loss, metrics = _policy_loss(_scatter(logp, rows, B, T), _scatter(entropy, rows, B, T), old_logprobs,
+                                     advantages, mask_bool, ref_logprobs, cfg)
+        ctx.hidden_shape = hidden.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.consumed = False
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        outputs = tuple(metrics[k] for k in METRICS)
+        ctx.mark_non_differentiable(*outputs)
+        return (loss, *outputs)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        if ctx.consumed:
+            raise RuntimeError("ppo_loss: a second backward through one fused ppo_loss call (retain_graph=True) is "
+                               "not supported: its gradients were computed in the forward and scaled in place")
+        ctx.consumed = True
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        # In place: a second [M, H] and [V, H] would add 2 GiB at M = 128k, V = 152k.
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_loss).view(ctx.hidden_shape)
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss)
+        if grad_b is not None:
+            grad_b = grad_b.mul_(grad_loss).to(ctx.bias_dtype)
+        return grad_h, grad_w, grad_b, *([None] * 11)
+
+
+def _scatter(values: torch.Tensor, rows: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
+    """Per-row values back to [B, T]; rows that were not computed are 0 (and masked out)."""
+    if rows is None:
+        return values.view(B, T)
+    return torch.zeros(B * T, dtype=values.dtype, device=values.device).index_copy_(0, rows, values).view(B, T)
+
+
+def _ppo_loss_fused(hidden, weight, targets, old_logprobs, advantages, mask_bool, num_tokens, *, bias, temperature,
+                    ref_logprobs, cfg, chunk_rows=None, block_v=None):
+    """The Triton path (inputs already validated); runs on CPU tensors under TRITON_INTERPRET=1 too."""
+    rows = None if num_tokens == mask_bool.numel() else mask_bool.reshape(-1).nonzero().squeeze(1)
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
+    loss, *values = _FusedPolicyLoss.apply(hidden, weight, bias, targets, old_logprobs, advantages, mask_bool,
+                                           ref_logprobs, rows, cfg, temperature, needs, chunk_rows, block_v)
+    return loss, dict(zip(METRICS, values))
+
+
+class _FusedTokenLogprobs(torch.autograd.Function):
+    """Forward: stats only (2*M*H*V). Backward: recomputes each chunk and applies the row gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, needs, chunk_rows, block_v):
+        B, T, H = hidden.shape
+        _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1), None,
+                                      temperature=temperature, chunk_rows=chunk_rows, block_v=block_v)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.args = (temperature, needs, chunk_rows, block_v)
+        return logp.view(B, T), entropy.view(B, T)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        temperature, needs, chunk_rows, block_v = ctx.args
+        B, T, H = hidden.shape
+        zeros = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
+        g_logp = zeros if grad_logp is None else grad_logp.reshape(-1).float()
+        g_ent = zeros if grad_entropy is None else grad_entropy.reshape(-1).float()
+        grad_h, grad_w, grad_b = _grad_buffers(hidden, weight, bias, needs, None)
+        _head_pass(hidden, weight, bias, targets.reshape(-1), None, temperature=temperature,
+                   coefs=lambda s, e, *_: (g_logp[s:e], g_ent[s:e]), grad_hidden=grad_h, grad_weight=grad_w,
+                   grad_bias=grad_b, chunk_rows=chunk_rows, block_v=block_v)
+        if grad_h is not None:
+            grad_h = grad_h.view(B, T, H)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _token_logprobs_fused(hidden, weight, targets, *, bias, temperature, chunk_rows=None, block_v=None):
+    targets = targets.long()
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
+    if any(needs):
+        return _FusedTokenLogprobs.apply(hidden, weight, bias, targets, temperature, needs, chunk_rows, block_v)
+    B, T, H = hidden.shape
+    _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1), None,
+                                  temperature=temperature, chunk_rows=chunk_rows, block_v=block_v)
+    return logp.view(B, T), entropy.view(B, T)
+
+
+def _use_kernels(op: str, hidden: torch.Tensor) -> bool:
+    """The Triton path on CUDA for bf16/fp16/fp32; the reference otherwise (warned once on CUDA)."""
+    if hidden.device.type != "cuda":
+        return False
+    if hidden.dtype not in KERNEL_DTYPES:
+        warn_once(f"{op}: no fused kernel for {hidden.dtype}; running the torch reference, which "
+                  f"materialises the full [B, T, V] logits")
+        return False
+    try:
+        _kernels()
+    except Exception as e:  # noqa: BLE001 - any import failure means: no kernels here
+        warn_once(f"{op}: the Triton kernels do not import ({type(e).__name__}: {e}); running the torch "
+                  f"reference, which materialises the full [B, T, V] logits")
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def ppo_loss(hidden, weight, targets, old_logprobs, advantages, mask, *, bias=None, temperature=1.0, clip_low=0.2,
+             clip_high=0.2, clip_ratio_c=None, ref_logprobs=None, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
+             loss_agg="token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO clipped policy loss straight from the last hidden states and the LM head.
+
+    hidden [B, T, H] (bf16/fp32), weight [V, H], bias [V] or None, targets [B, T] int (any value
+    where mask is 0), old_logprobs / advantages / ref_logprobs [B, T] float, mask [B, T] 0/1.
+    `z = (hidden @ weight.T + bias) / temperature`, `logp = log_softmax(z)[targets]`,
+    `d = clamp(logp - old, -20, 20)`, `ratio = exp(d)`, `pg = max(-A * ratio, -A * clamp(ratio,
+    1 - clip_low, 1 + clip_high))`, capped at `-A * clip_ratio_c` where A < 0 (dual clip), and
+    `loss = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref))`.
+
+    Returns (loss, metrics): metrics are detached 0-dim fp32 tensors `pg_loss`, `pg_clipfrac`,
+    `pg_clipfrac_lower`, `ppo_kl` (token-mean of -d), `entropy` (agg), `kl_loss` (agg; 0 without
+    ref_logprobs). Gradients flow to hidden, weight and bias. On CUDA the fused Triton path runs
+    (one pass, one [C, V] chunk of logits at a time); elsewhere the plain-torch reference.
+    """
+    cfg = _LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
+                      kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
+    mask_bool, num_tokens = _check_policy("ppo_loss", hidden, weight, bias, targets, old_logprobs, advantages, mask,
+                                          ref_logprobs, temperature, cfg)
+    if _use_kernels("ppo_loss", hidden):
+        return _ppo_loss_fused(hidden, weight, targets, old_logprobs, advantages, mask_bool, num_tokens, bias=bias,
+                               temperature=temperature, ref_logprobs=ref_logprobs, cfg=cfg)
+    return _ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask_bool, bias, temperature,
+                         ref_logprobs, cfg)
+
+
+def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False):
+    """log_softmax((hidden @ weight.T + bias) / temperature)[targets], fp32 [B, T], without the logits.
+
+    With return_entropy, also the entropy of each token's distribution: (logp, entropy). For
+    rollout log-prob recompute and reference-model log-probs; differentiable (the backward
+    recomputes the logits chunk by chunk).
+    """
+    _check_head("token_logprobs", hidden, weight, bias, targets)
+    _check_temperature(temperature)
+    _check_values("token_logprobs", targets, weight.shape[0], None, None)
+    if _use_kernels("token_logprobs", hidden):
+        logp, entropy = _token_logprobs_fused(hidden, weight, targets, bias=bias, temperature=temperature)
+    else:
+        logp, entropy = _logprobs_ref(hidden, weight, targets, bias, temperature)
+    return (logp, entropy) if return_entropy else logp
+
+
+def value_loss(values, old_values, returns, mask, *, clip=0.2, loss_agg="token-mean") -> torch.Tensor:
+    """Clipped critic loss `0.5 * agg(max((v - R)**2, (clamp(v, old - clip, old + clip) - R)**2))`.
+
+    values / old_values / returns [B, T] float, mask [B, T] 0/1; `clip=None` drops the clipped
+    term. Computed in fp32 (fp64 for fp64 values); 0 for an all-masked batch.
+    """
+    op = "value_loss"
+    if not isinstance(values, torch.Tensor) or values.dim() != 2 or not values.is_floating_point():
+        raise ValueError(f"{op}: values must be a float [B, T] tensor, got {_describe(values)}")
+    shape, device = values.shape, values.device
+    _check_bt(op, "old_values", old_values, shape, device)
+    _check_bt(op, "returns", returns, shape, device)
+    mask_bool = _mask_bool(op, mask, shape, device)
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if clip is not None and not (math.isfinite(clip) and clip >= 0):
+        raise ValueError(f"clip must be a finite number >= 0 or None, got {clip!r}")
+    dt = torch.promote_types(values.dtype, torch.float32)
+    v, target = values.to(dt), returns.to(dt)
+    loss = (v - target) ** 2
+    if clip is not None:
+        old = old_values.to(dt)
+        loss = torch.maximum(loss, (torch.clamp(v, old - clip, old + clip) - target) ** 2)
+    return 0.5 * _aggregate(loss, mask_bool, loss_agg)
