@@ -14,8 +14,8 @@ import torch
 
 from ._ext import extension_has, warn_once
 
-MAX_SEGMENT_BYTES = 256 * 1024
-"""Rows longer than this are split: one CUDA block per row, so a 4 GiB copy runs as 16k blocks."""
+MAX_SEGMENT_BYTES = 32 * 1024
+"""Rows longer than this are split: one CUDA warp per row, so a 4 GiB copy runs as 128k warps."""
 
 
 def _check_args(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) -> None:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call (nvidia-h200-x2): build the extension with its CUDA ops, run the GPU tests and the
+# NCCL/VMM sharding check, then the given bench suites. Logs and rows go to $OUT.
+# Usage (repo root, wheels carried in .whl/): bash bench/gpu_all.sh "segment_copy --gpus 1" "switch --gpus 2"
+# Each bench suite gets at most $SUITE_TIMEOUT seconds (default 300); the tests have their own limits.
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpus.csv"
+t0=$SECONDS
+MAX_JOBS=16 HYBRIDENGINE_CUDA=1 python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+echo "build: $((SECONDS - t0)) s"
+python3 -m hybridengine info | tee "$out/info.txt"
+timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest_gpu.log"
+tail -3 "$out/pytest_gpu.log"
+timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_sharded.py 2>&1 | tail -8 | tee "$out/dist_sharded.log"
+for suite in "$@"; do
+  echo "=== python -m bench run --suite $suite"
+  timeout ${SUITE_TIMEOUT:-300} python3 -m bench run --suite $suite --out "$out/results.jsonl" 2>&1 | tr '\r' '\n' \
+    | grep -v ' it/s\]$' >> "$out/bench.log"
+done
+grep -E "^  |GB/s|ms|not_run|Error|error" "$out/bench.log" | tail -60

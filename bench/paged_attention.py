@@ -1,0 +1,179 @@
+"""Paged decode attention (`hybridengine.attention.paged_decode_attention`) against dense SDPA and FlexAttention.
+
+One decoder layer of Qwen2-7B on one GPU (tg = 1): 28 query heads, 4 kv heads, head_dim 128, bf16,
+one query token per sequence, every sequence of a case at the same context length. GB/s counts the
+K and V bytes read, 2 x B x context x 4 x 128 x 2 bytes (Q and the output are < 1% of it); the
+floor is the run's `hbm_copy` bandwidth (4.2 TB/s measured; DESIGN.md: 256 MiB at B = 128,
+context 1024 -> 62 us).
+
+Providers, all on the same shapes in the same run:
+- `hybridengine`: the Triton paged kernel over a block_size-16 cache with shuffled blocks; split-K
+  chosen by `decode_num_splits` (case `split`: "auto"), and where that splits, also forced to one
+  pass (`split`: "one_pass") to show what split-K buys.
+- `sdpa_dense`: `F.scaled_dot_product_attention(q, k, v, enable_gqa=True)` over contiguous
+  [B, 4, context, 128] K/V: what paging must not lose against.
+- `flex_attention`: torch's FlexAttention paged attention (`torch.nn.attention.experimental.
+  _paged_attention.PagedAttention`, compiled `flex_attention`); its block mask needs pages as large
+  as its KV block, so it runs with 128-token pages (case `block_size`). Compiled for FLEX_CASES only
+  (each shape is a fresh compile).
+- `torch_ref` (CPU only): the package's plain-torch reference. On CPU (the harness check) the bench
+  runs one tiny case with `sdpa_dense`, `torch_ref` and eager `flex_attention`, and no Triton.
+
+Every timed call starts with a cold L2 (a 512 MiB write first, whose GPU time also hides the host's
+launch of the timed call), as a layer's KV is cold in a real decode step; B = 1 at 16k is 32 MiB and
+would otherwise sit in the H200's 50 MB L2.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .common import MiB, Ctx, quantiles, release_memory
+
+MODEL = "qwen2-7b"
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
+BATCHES_GPU, CONTEXTS_GPU = (1, 16, 128), (128, 1024, 4096, 16384)
+FLEX_CASES = {(128, 1024), (16, 4096), (1, 16384)}
+FLEX_PAGE = 128
+CASES_CPU = ((2, 48),)
+FLUSH_BYTES = 512 * MiB
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+
+
+def paged_cache(batch: int, context: int, device: torch.device, dense_k: torch.Tensor, dense_v: torch.Tensor):
+    """The dense K/V [B, kv_heads, context, D] scattered into shuffled blocks of BLOCK_SIZE tokens."""
+    per_seq = math.ceil(context / BLOCK_SIZE)
+    num_blocks = batch * per_seq
+    tables = torch.randperm(num_blocks, device=device).view(batch, per_seq).to(torch.int32)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(shape, dtype=dense_k.dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=dense_k.dtype, device=device)
+    pad = per_seq * BLOCK_SIZE - context
+    for dense, cache in ((dense_k, k_cache), (dense_v, v_cache)):
+        blocks = F.pad(dense, (0, 0, 0, pad)).transpose(1, 2).reshape(batch, per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        cache[tables.long()] = blocks
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return k_cache, v_cache, tables, lens
+
+
+def flex_paged(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, *, compiled: bool):
+    """A call of FlexAttention's paged decode over the same K/V in FLEX_PAGE-token pages."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, _, context, _ = dense_k.shape
+    device = q.device
+    per_seq = math.ceil(context / FLEX_PAGE)
+    paged = PagedAttention(batch * per_seq, FLEX_PAGE, batch, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int64, device=device)
+    for b in range(batch):
+        paged.reserve(torch.tensor(b, device=device), lens[b])
+    k_cache = torch.zeros(1, NUM_KV_HEADS, batch * per_seq * FLEX_PAGE, HEAD_DIM, dtype=q.dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    pos = torch.arange(context, device=device)[None].expand(batch, context)
+    paged.assign(torch.arange(batch, device=device), pos, dense_k, dense_v, k_cache, v_cache)
+
+    def visible(b, h, q_idx, kv_idx):
+        return kv_idx < lens[b]
+
+    logical = create_block_mask(visible, batch, None, 1, per_seq * FLEX_PAGE, device=device, BLOCK_SIZE=FLEX_PAGE)
+    block_mask = paged.convert_logical_block_mask(logical, kv_len=lens)
+    if compiled:
+        attend = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        return lambda: attend(q[:, :, None], k_cache, v_cache, block_mask=block_mask, enable_gqa=True)[:, :, 0]
+
+    def eager():
+        with warnings.catch_warnings():  # "flex_attention called without torch.compile()": intended on CPU
+            warnings.simplefilter("ignore", UserWarning)
+            return flex_attention(q[:, :, None], k_cache, v_cache, block_mask=block_mask, enable_gqa=True)[:, :, 0]
+    return eager
+
+
+def cold_times(ctx: Ctx, fn, *, warmup: int, repeats: int, flush: torch.Tensor | None) -> list[float]:
+    """Seconds per call, each after an L2 flush on GPU (see the module docstring)."""
+    if flush is None:
+        return ctx.measure(fn, warmup=warmup, repeats=repeats, desc="paged_attention")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(ctx.reps(repeats)):
+        torch.cuda.synchronize(ctx.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return ctx.slowest(times)
+
+
+def _check(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
+    err = (out.float() - expected.float()).abs().max().item()
+    if not err < 0.05:  # bf16 outputs of magnitude < 1 differ by a few ulps at most
+        raise RuntimeError(f"paged_attention: {name} differs from dense SDPA by {err:.3g}")
+
+
+def paged_attention(ctx: Ctx) -> None:
+    from hybridengine import attention
+
+    cases = [(b, c) for c in CONTEXTS_GPU for b in BATCHES_GPU] if ctx.cuda else list(CASES_CPU)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=ctx.device) if ctx.cuda else None
+    scale = HEAD_DIM**-0.5
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    for batch, context in cases:
+        nbytes = kv_bytes(batch, context)
+        base = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                    dtype="bf16", kv_bytes=nbytes)
+        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
+        dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
+                                        device=ctx.device, generator=g) for _ in range(2))
+        k_cache, v_cache, tables, lens = paged_cache(batch, context, ctx.device, dense_k, dense_v)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0]
+
+        expected = sdpa()
+        runs = {("sdpa_dense", "-"): (sdpa, BLOCK_SIZE)}
+        if ctx.cuda:
+            auto = attention.decode_partition_plan(batch, NUM_KV_HEADS, HEAD_DIM, context, ctx.device)[0]
+            splits = {"auto": None} | ({"one_pass": 1} if auto > 1 else {})
+            for mode, num_splits in splits.items():
+                def ours(num_splits=num_splits):
+                    return attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                            num_splits=num_splits, max_context_len=context)
+                runs[("hybridengine", mode)] = (ours, BLOCK_SIZE)
+            if (batch, context) in FLEX_CASES:
+                try:
+                    runs[("flex_attention", "-")] = (flex_paged(q, dense_k, dense_v, compiled=True), FLEX_PAGE)
+                except Exception as e:  # noqa: BLE001 - experimental torch API: record why, keep the other rows
+                    ctx.rec.not_run("paged_attention", "flex_attention", MODEL, f"failed: {type(e).__name__}: "
+                                    f"{str(e)[:300]}", **base)
+        else:  # the CPU harness check: the Triton provider needs CUDA; flex runs eager (unfused)
+            runs[("torch_ref", "-")] = (lambda: attention.paged_decode_attention_ref(
+                q, k_cache, v_cache, tables, lens, scale=scale), BLOCK_SIZE)
+            runs[("flex_attention", "-")] = (flex_paged(q, dense_k, dense_v, compiled=False), FLEX_PAGE)
+        for (provider, mode), (fn, block_size) in runs.items():
+            case = dict(base, block_size=block_size, **({"split": mode} if provider == "hybridengine" else {}))
+            if provider == "hybridengine":
+                case["num_partitions"] = auto if mode == "auto" else 1
+            try:
+                _check(f"{provider} {mode}", fn(), expected)
+                times = cold_times(ctx, fn, warmup=5, repeats=30, flush=flush)
+            except Exception as e:  # noqa: BLE001 - one provider failing must not lose the others' rows
+                ctx.rec.not_run("paged_attention", provider, MODEL, f"failed: {type(e).__name__}: {str(e)[:300]}",
+                                **case)
+                continue
+            ctx.rec.add("paged_attention", provider, MODEL, case, "seconds", times)
+            ctx.rec.add("paged_attention", provider, MODEL, case, "GB_per_s", [nbytes / t / 1e9 for t in times])
+            ctx.log(f"paged_attention B={batch} ctx={context} {provider} {mode}: {quantiles(times)[1] * 1e6:,.1f} us, "
+                    f"{nbytes / quantiles(times)[1] / 1e9:,.0f} GB/s")
+        del q, dense_k, dense_v, k_cache, v_cache, tables, lens, runs, expected
+        release_memory()

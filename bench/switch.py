@@ -1,0 +1,148 @@
+"""The zero-copy switch and the training-view unit gather (hybridengine), next to the NCCL floor
+of the same bytes and FSDP2's unshard of the same layer, measured in the same run.
+
+Rows: bench `switch` (train_to_gen / gen_to_train, per tg), `unit_gather` (one decoder layer),
+`switch_memory` (peak during the switch, and mapped bytes after 100 round trips).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .common import GiB, Ctx, quantiles
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _specs(model: str):
+    from transformers import AutoModelForCausalLM
+
+    from hybridengine import model_config
+    from hybridengine.layout import param_specs
+
+    cfg = model_config(model)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return param_specs([(n, tuple(p.shape)) for n, p in hf.named_parameters()], head_dim=head_dim), cfg
+
+
+def _nccl_floor(ctx: Ctx, numel_out: int, dtype, desc: str) -> list[float]:
+    """One all_gather_into_tensor whose output has numel_out elements (the bytes the switch moves)."""
+    per_rank = numel_out // ctx.world
+    out = torch.empty(per_rank * ctx.world, dtype=dtype, device=ctx.device)
+    inp = torch.randn(per_rank, device=ctx.device).to(dtype)
+    times = ctx.measure(lambda: _all_gather(out, inp), warmup=3, repeats=10, desc=desc)
+    del out, inp
+    return times
+
+
+def switch(ctx: Ctx) -> None:
+    from hybridengine.sharded import ShardedBuffer
+
+    if ctx.world < 2:
+        ctx.rec.not_run("switch", "hybridengine", None, "needs >= 2 ranks")
+        return
+    dtype = torch.bfloat16
+    for model in ctx.models:
+        specs, _ = _specs(model)
+        for tp in [d for d in (1, 2, 4, 8) if ctx.world % d == 0]:
+            case = dict(tg=tp, dtype="bf16")
+            with ctx.peak() as pm_build:
+                buf = ShardedBuffer(specs, dtype=dtype, device=ctx.device, tp_size=tp)
+                for s in buf.shard_views():
+                    s.normal_()
+            lay = buf.layout
+            gen_bytes = lay.gen_numel * lay.element_size
+            recv_bytes = gen_bytes * (lay.num_shards - 1) // lay.num_shards
+            case.update(gen_GB=round(gen_bytes / 1e9, 3), received_GB=round(recv_bytes / 1e9, 3),
+                        vmm=buf.use_vmm, units=len(lay.units))
+            for _ in range(2):  # warm-up: NCCL channels, first mappings
+                buf.switch_to_generation()
+                buf.switch_to_training()
+            to_gen, to_train = [], []
+            with ctx.peak() as pm:
+                for _ in range(ctx.reps(10)):
+                    to_gen.append(ctx.timed(buf.switch_to_generation))
+                    to_train.append(ctx.timed(buf.switch_to_training))
+            to_gen, to_train = ctx.slowest(to_gen), ctx.slowest(to_train)
+            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "seconds", to_gen)
+            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train"}, "seconds", to_train)
+            ctx.record_peak(pm, "switch", "hybridengine", model, {**case, "model_over_tg_GiB": gen_bytes / GiB})
+            if recv_bytes:
+                ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "GB_per_s",
+                            [recv_bytes / t / 1e9 for t in to_gen])
+            # Memory stays where it was after 100 round trips (VMM: only the own shards mapped).
+            before = buf.gen.mapped_bytes()
+            for _ in range(ctx.reps(100)):
+                buf.switch_to_generation()
+                buf.switch_to_training()
+            ctx.sync()
+            after = buf.gen.mapped_bytes()
+            ctx.rec.add("switch_memory", "hybridengine", model, {**case, "after": "100 round trips",
+                                                                 "before_GiB": before / GiB}, "peak_GiB", after / GiB)
+            ctx.log(f"  switch {model} tg={tp}: train->gen {quantiles(to_gen)[1] * 1e3:.2f} ms, gen->train "
+                    f"{quantiles(to_train)[1] * 1e3:.3f} ms, {recv_bytes / 1e9:.2f} GB received per rank, "
+                    f"peak torch {pm.torch_gib:.2f} / nvml {pm.nvml_gib:.2f} GiB (model/tg {gen_bytes / GiB:.2f} GiB), "
+                    f"mapped {before / GiB:.2f} -> {after / GiB:.2f} GiB after 100 trips")
+            buf.close()
+            del buf
+            if tp == 1:  # the floor: the same bytes as one NCCL all-gather
+                floor = _nccl_floor(ctx, lay.gen_numel, dtype, "nccl floor")
+                ctx.rec.add("switch", "nccl", model, {"tg": 1, "dtype": "bf16", "direction": "train_to_gen",
+                                                      "what": "one all_gather_into_tensor of the model"},
+                            "seconds", floor)
+                ctx.log(f"  nccl all-gather of the same {gen_bytes / 1e9:.2f} GB: {quantiles(floor)[1] * 1e3:.2f} ms")
+
+
+def unit_gather(ctx: Ctx) -> None:
+    """One decoder layer: hybridengine gather (+ unpack for tg > 1) vs raw all-gather vs FSDP2 unshard."""
+    from hybridengine.sharded import ShardedBuffer
+
+    if ctx.world < 2:
+        ctx.rec.not_run("unit_gather", "hybridengine", None, "needs >= 2 ranks")
+        return
+    dtype = torch.bfloat16
+    for model in ctx.models:
+        specs, cfg = _specs(model)
+        layer = [s for s in specs if s.unit == "layers.0"]
+        unit_bytes = None
+        for tp in [d for d in (1, 2) if ctx.world % d == 0]:
+            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp)
+            for s in buf.shard_views():
+                s.normal_()
+            unit = buf.layout.units[0]
+            unit_bytes = unit.numel * buf.layout.element_size
+            times = ctx.measure(lambda: buf.gather_unit(0), warmup=3, repeats=20, desc=f"gather tg={tp}")
+            case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1)
+            ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
+            ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",
+                        [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
+            ctx.log(f"  unit gather {model} tg={tp}: {quantiles(times)[1] * 1e3:.3f} ms for {unit_bytes / 1e6:.0f} MB")
+            buf.close()
+        raw = _nccl_floor(ctx, unit_bytes // 2, dtype, "raw all-gather")
+        ctx.rec.add("unit_gather", "nccl", model, dict(unit="layers.0", MB=round(unit_bytes / 1e6, 1)), "seconds", raw)
+        ctx.rec.add("unit_gather", "nccl", model, dict(unit="layers.0", MB=round(unit_bytes / 1e6, 1)),
+                    "busbw_GB_per_s", [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in raw])
+        ctx.log(f"  raw all-gather of the same bytes: {quantiles(raw)[1] * 1e3:.3f} ms")
+        _fsdp2_layer(ctx, model, cfg)
+
+
+def _fsdp2_layer(ctx: Ctx, model: str, cfg) -> None:
+    """FSDP2 unshard (all-gather + copy-out) of one decoder layer with bf16 sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    with torch.device(ctx.device):
+        layer = Qwen2DecoderLayer(cfg, 0).to(torch.bfloat16)
+    fully_shard(layer)
+
+    def unshard():
+        layer.unshard()
+        layer.reshard()
+
+    times = ctx.measure(unshard, warmup=3, repeats=20, desc="fsdp2 unshard")
+    ctx.rec.add("unit_gather", "fsdp2", model, dict(unit="layers.0", what="unshard+reshard, bf16 params"),
+                "seconds", times)
+    ctx.log(f"  fsdp2 unshard+reshard of the layer: {quantiles(times)[1] * 1e3:.3f} ms")

@@ -1,0 +1,97 @@
+"""One process of a run (torchrun starts one per GPU): sets up the group, runs the suite's benches.
+
+A bench that raises is logged and recorded as a `not_run` row with the error, and the suite goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import floors, generate, paged_attention, peers, ppo_loss, segment_copy, switch
+from .common import Ctx, Recorder, release_memory
+
+BENCHES = {
+    "hbm_copy": floors.hbm_copy,
+    "gemm": floors.gemm,
+    "all_gather": floors.all_gather,
+    "hf_generate": peers.hf_generate,
+    "fsdp2": peers.fsdp2,
+    "deepspeed": peers.deepspeed_zero3,
+    "hybridengine": peers.hybridengine,
+    "segment_copy": segment_copy.segment_copy,
+    "switch": switch.switch,
+    "unit_gather": switch.unit_gather,
+    "generate": generate.generate,
+    "paged_attention": paged_attention.paged_attention,
+    "ppo_loss": ppo_loss.ppo_loss,
+}
+FLOORS = ["hbm_copy", "gemm", "all_gather"]
+# Each suite fits one device call of < 10 minutes on nvidia-h200-x2 (one model per call for the peers).
+# DeepSpeed goes last: zero.Init patches module construction globally.
+SUITES: dict[str, list[str]] = {
+    "smoke": [*FLOORS, "hf_generate", "fsdp2", "hybridengine", "segment_copy"],
+    "floors": FLOORS,
+    "baselines": [*FLOORS, "hf_generate", "fsdp2", "hybridengine", "deepspeed"],
+    "deepspeed": [*FLOORS, "deepspeed"],
+    "fsdp2": [*FLOORS, "fsdp2"],
+    "hf_generate": [*FLOORS, "hf_generate"],
+    "segment_copy": ["hbm_copy", "segment_copy"],
+    "switch": ["all_gather", "switch", "unit_gather"],
+    "generate": ["hbm_copy", "generate"],
+    "paged_attention": ["hbm_copy", "paged_attention"],
+    "ppo_loss": ["gemm", "ppo_loss"],
+}
+DEFAULT_MODELS = {"smoke": ["tiny-qwen2"]}
+
+
+def run(suite: str, *, models: list[str], scale: float, out: Path, run_id: str, cpu: bool) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    use_cuda = torch.cuda.is_available() and not cpu and suite != "smoke"  # smoke: the CPU harness check
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(minutes=5)  # a peer that died must not hold the call until the 10 min limit
+    if world > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
+                                device_id=device if use_cuda else None)
+    else:  # one process: FSDP2 and DeepSpeed still want a group
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    rec = Recorder(path=out if rank == 0 else None, run_id=run_id,
+                   gpu=torch.cuda.get_device_name(device) if use_cuda else "cpu",
+                   num_gpus=world if use_cuda else 0)
+    ctx = Ctx(rec=rec, device=device, rank=rank, world=world, models=models, scale=scale)
+    ctx.log(f"run {run_id}: suite {suite}, models {models}, {world} x {rec.gpu}, commit {rec.commit}, -> {out}")
+    try:
+        for name in SUITES[suite]:
+            ctx.log(f"== {name}")
+            try:
+                BENCHES[name](ctx)
+            except Exception as e:  # noqa: BLE001 - keep the other benches' rows
+                ctx.log(traceback.format_exc())
+                rec.not_run(name, name, None, f"failed: {type(e).__name__}: {str(e)[:300]}")
+            release_memory()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_args(args) -> None:
+    run(args.suite, models=args.model or DEFAULT_MODELS.get(args.suite, ["qwen2.5-1.5b"]), scale=args.scale,
+        out=Path(args.out), run_id=os.environ["HE_BENCH_RUN_ID"], cpu=args.cpu)
+
+
+def main() -> None:
+    from .__main__ import parser
+
+    run_args(parser().parse_args(["run", *sys.argv[1:]]))
+
+if __name__ == "__main__":
+    main()
