@@ -7,21 +7,33 @@
 #include <torch/library.h>
 
 #include <map>
+#include <string>
 
 #include "vmm.h"
 
 namespace hybridengine {
 
+// Methods never throw: an exception thrown out of a custom-class method crashed the process
+// (segfault, torch 2.11, H200 machine, 2026-11-30), so each returns an error message ("" on
+// success) that hybridengine/vmm.py turns into ValueError ("invalid: ...") or RuntimeError.
 class VmmRange : public torch::CustomClassHolder {
  public:
   VmmRange(int64_t bytes, int64_t device) : device_(device) {
-    TORCH_CHECK_VALUE(bytes > 0, "VmmRange: bytes must be > 0, got ", bytes);
-    TORCH_CHECK_VALUE(device >= 0, "VmmRange: device must be a CUDA device index, got ", device);
+    if (bytes <= 0 || device < 0) {
+      error_ = "invalid: bytes must be > 0 and device a CUDA device index, got bytes=" + std::to_string(bytes) +
+               " device=" + std::to_string(device);
+      return;
+    }
     size_t gran = 0;
-    check(vmm_granularity(static_cast<int>(device), &gran), "cuMemGetAllocationGranularity");
+    if (!(error_ = describe(vmm_granularity(static_cast<int>(device), &gran), "cuMemGetAllocationGranularity"))
+             .empty()) {
+      return;
+    }
     granularity_ = static_cast<int64_t>(gran);
     size_ = (bytes + granularity_ - 1) / granularity_ * granularity_;
-    check(vmm_reserve(static_cast<size_t>(size_), &address_), "cuMemAddressReserve");
+    uint64_t address = 0;
+    error_ = describe(vmm_reserve(static_cast<size_t>(size_), &address), "cuMemAddressReserve");
+    if (error_.empty()) address_ = address;
   }
 
   ~VmmRange() override {
@@ -29,6 +41,7 @@ class VmmRange : public torch::CustomClassHolder {
     if (address_ != 0) vmm_free_range(address_, static_cast<size_t>(size_));
   }
 
+  std::string error() const { return error_; }
   int64_t granularity() const { return granularity_; }
   int64_t size() const { return size_; }
   int64_t address() const { return static_cast<int64_t>(address_); }
@@ -41,40 +54,55 @@ class VmmRange : public torch::CustomClassHolder {
   }
 
   // Back [offset, offset + bytes) with one new physical allocation; on failure nothing changes.
-  void map(int64_t offset, int64_t bytes) {
-    check_span("map", offset, bytes);
+  std::string map(int64_t offset, int64_t bytes) {
+    if (address_ == 0) return "invalid: the range was never reserved (" + error_ + ")";
+    if (bytes <= 0 || offset < 0 || offset + bytes > size_) {
+      return "invalid: [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+             ") is empty or outside the reserved " + std::to_string(size_) + " bytes";
+    }
+    if (offset % granularity_ != 0 || bytes % granularity_ != 0) {
+      return "invalid: offset " + std::to_string(offset) + " and bytes " + std::to_string(bytes) +
+             " must be multiples of the granularity " + std::to_string(granularity_);
+    }
     auto next = mappings_.lower_bound(offset);
     const bool clash_next = next != mappings_.end() && next->first < offset + bytes;
     const bool clash_prev = next != mappings_.begin() &&
                             std::prev(next)->first + static_cast<int64_t>(std::prev(next)->second.bytes) > offset;
-    TORCH_CHECK_VALUE(!clash_next && !clash_prev, "VmmRange.map: [", offset, ", ", offset + bytes,
-                      ") overlaps a range that is already mapped");
+    if (clash_next || clash_prev) {
+      return "invalid: [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+             ") overlaps a range that is already mapped";
+    }
     uint64_t handle = 0;
-    check(vmm_map(address_ + offset, static_cast<size_t>(bytes), static_cast<int>(device_), &handle),
-          "cuMemCreate/cuMemMap/cuMemSetAccess of " + std::to_string(bytes) + " bytes at offset " +
-              std::to_string(offset));
-    mappings_[offset] = Mapping{static_cast<size_t>(bytes), handle};
+    std::string err = describe(vmm_map(address_ + offset, static_cast<size_t>(bytes), static_cast<int>(device_), &handle),
+                               "cuMemCreate/cuMemMap/cuMemSetAccess of " + std::to_string(bytes) + " bytes at offset " +
+                                   std::to_string(offset));
+    if (err.empty()) mappings_[offset] = Mapping{static_cast<size_t>(bytes), handle};
+    return err;
   }
 
   // Release the allocation mapped at exactly `offset` (by map(offset, ...)).
-  void unmap(int64_t offset) {
+  std::string unmap(int64_t offset) {
     auto it = mappings_.find(offset);
-    TORCH_CHECK_VALUE(it != mappings_.end(), "VmmRange.unmap: nothing was mapped at offset ", offset);
-    check(vmm_unmap(address_ + offset, it->second.bytes, it->second.handle),
-          "cuMemUnmap/cuMemRelease at offset " + std::to_string(offset));
-    mappings_.erase(it);
+    if (it == mappings_.end()) return "invalid: nothing was mapped at offset " + std::to_string(offset);
+    std::string err = describe(vmm_unmap(address_ + offset, it->second.bytes, it->second.handle),
+                               "cuMemUnmap/cuMemRelease at offset " + std::to_string(offset));
+    if (err.empty()) mappings_.erase(it);
+    return err;
   }
 
   bool is_mapped(int64_t offset) const { return mappings_.count(offset) != 0; }
 
-  // A uint8 tensor over [offset, offset + bytes) of the range; it keeps the range alive. Reading
-  // or writing bytes that are not mapped faults, so callers only touch what they mapped.
+  // A uint8 tensor over [offset, offset + bytes) of the range (the caller checked the span); it keeps
+  // the range alive. The device is given, not looked up from the pointer: parts of the range may be
+  // unmapped, and touching those faults, so callers only touch what they mapped.
   at::Tensor bytes_tensor(int64_t offset, int64_t bytes) {
-    TORCH_CHECK_VALUE(offset >= 0 && bytes >= 0 && offset + bytes <= size_, "VmmRange.bytes_tensor: [", offset,
-                      ", ", offset + bytes, ") is outside the reserved ", size_, " bytes");
     auto keep = c10::intrusive_ptr<VmmRange>::unsafe_reclaim_from_nonowning(this);
-    auto options = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
-    return at::from_blob(reinterpret_cast<void*>(address_ + offset), {bytes}, [keep](void*) {}, options);
+    const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
+    return at::for_blob(reinterpret_cast<void*>(address_ + offset), {bytes})
+        .deleter([keep](void*) {})
+        .options(at::TensorOptions().dtype(at::kByte).device(device))
+        .target_device(device)
+        .make_tensor();
   }
 
  private:
@@ -83,27 +111,23 @@ class VmmRange : public torch::CustomClassHolder {
     uint64_t handle;
   };
 
-  void check(int code, const std::string& what) const {
-    TORCH_CHECK(code == 0, "VmmRange on cuda:", device_, ": ", what, " failed with ", vmm_error_string(code));
-  }
-
-  void check_span(const char* fn, int64_t offset, int64_t bytes) const {
-    TORCH_CHECK_VALUE(bytes > 0 && offset >= 0 && offset + bytes <= size_, "VmmRange.", fn, ": [", offset, ", ",
-                      offset + bytes, ") is empty or outside the reserved ", size_, " bytes");
-    TORCH_CHECK_VALUE(offset % granularity_ == 0 && bytes % granularity_ == 0, "VmmRange.", fn, ": offset ", offset,
-                      " and bytes ", bytes, " must be multiples of the granularity ", granularity_);
+  std::string describe(int code, const std::string& what) const {
+    if (code == 0) return "";
+    return "VmmRange on cuda:" + std::to_string(device_) + ": " + what + " failed with " + vmm_error_string(code);
   }
 
   int64_t device_ = 0;
   int64_t granularity_ = 0;
   int64_t size_ = 0;
   uint64_t address_ = 0;
+  std::string error_;
   std::map<int64_t, Mapping> mappings_;
 };
 
 TORCH_LIBRARY_FRAGMENT(hybridengine, m) {
   m.class_<VmmRange>("VmmRange")
       .def(torch::init<int64_t, int64_t>())
+      .def("error", &VmmRange::error)
       .def("granularity", &VmmRange::granularity)
       .def("size", &VmmRange::size)
       .def("address", &VmmRange::address)

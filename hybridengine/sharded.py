@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .layout import ParamSpec, ShardedLayout
-from .ops import extension_has, prepare_table, segment_copy
+from .ops import prepare_table, segment_copy
+from .vmm import VmmRange
 
 # torch 2.13 renamed the tensor collectives (same signatures); 2.11 only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,16 +44,12 @@ def vmm_status(device_index: int) -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     try:
-        cls = torch.classes.hybridengine.VmmRange
-    except (AttributeError, RuntimeError):
-        return False, "the extension was built without CUDA ops (VmmRange missing)"
-    try:
-        probe = cls(1, device_index)
-        probe.map(0, probe.granularity())
+        probe = VmmRange(1, device_index)
+        probe.map(0, probe.granularity)
         probe.unmap(0)
-        return True, f"granularity {probe.granularity()} bytes"
+        return True, f"granularity {probe.granularity} bytes"
     except RuntimeError as e:
-        return False, f"the driver refused the VMM probe: {e}"
+        return False, f"the VMM probe failed: {e}"
 
 
 class GenerationBuffer:
@@ -64,10 +61,11 @@ class GenerationBuffer:
         self.vmm = None
         if use_vmm:
             nbytes = layout.gen_numel * self.element_size
-            self.vmm = torch.classes.hybridengine.VmmRange(nbytes, device.index or 0)
-            self.data = self.vmm.bytes_tensor(0, nbytes).view(dtype)
+            self.vmm = VmmRange(nbytes, device.index or 0)
             for off, n in layout.shard_in_gen(rank):
                 self.vmm.map(off * self.element_size, n * self.element_size)
+            self.data = self.vmm.tensor(dtype, 0, nbytes)
+            for off, n in layout.shard_in_gen(rank):
                 self.data[off:off + n].zero_()
         else:
             self.data = torch.zeros(layout.gen_numel, dtype=dtype, device=device)
@@ -136,7 +134,7 @@ class ShardedBuffer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         es = torch.empty((), dtype=dtype).element_size()
         self.use_vmm = self._decide_vmm(use_vmm)
-        granule = torch.classes.hybridengine.VmmRange(1, self.device.index).granularity() if self.use_vmm else 16
+        granule = VmmRange(1, self.device.index).granularity if self.use_vmm else 16
         self.layout = ShardedLayout(list(specs), world_size=self.world_size, tp_size=tp_size, element_size=es,
                                     shard_align_bytes=granule)
         self._check_same_layout(dtype)

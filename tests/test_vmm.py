@@ -7,19 +7,19 @@ pytestmark = pytest.mark.gpu
 
 
 def vmm_range(nbytes):
-    from hybridengine import ops  # noqa: F401  (loads the extension)
+    from hybridengine.vmm import VmmRange
 
-    return torch.classes.hybridengine.VmmRange(nbytes, torch.cuda.current_device())
+    return VmmRange(nbytes, torch.cuda.current_device())
 
 
 def test_map_write_read_unmap():
     r = vmm_range(3 << 21)
-    g = r.granularity()
-    assert g > 0 and r.size() == 3 * g and r.mapped_bytes() == 0
+    g = r.granularity
+    assert g > 0 and r.size == 3 * g and r.mapped_bytes() == 0
     r.map(0, g)
     r.map(2 * g, g)
     assert r.mapped_bytes() == 2 * g and r.is_mapped(0) and not r.is_mapped(g)
-    t = r.bytes_tensor(0, 3 * g).view(torch.float32)
+    t = r.tensor(torch.float32)
     n = g // 4
     t[:n].copy_(torch.arange(n, dtype=torch.float32, device="cuda"))
     t[2 * n:].fill_(7)
@@ -34,7 +34,7 @@ def test_map_write_read_unmap():
 
 def test_errors():
     r = vmm_range(4 << 21)
-    g = r.granularity()
+    g = r.granularity
     with pytest.raises(ValueError, match="multiples of the granularity"):
         r.map(1, g)
     with pytest.raises(ValueError, match="outside the reserved"):
@@ -45,15 +45,17 @@ def test_errors():
     with pytest.raises(ValueError, match="nothing was mapped at offset"):
         r.unmap(g)
     assert r.mapped_bytes() == 2 * g  # failed calls changed nothing
-    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY|out of memory"):
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY|out of memory|INVALID"):
         huge = vmm_range(1 << 50)
         huge.map(0, 1 << 50)
+    with pytest.raises(ValueError, match="outside the reserved"):
+        r.tensor(torch.uint8, 0, 8 * g)
 
 
 def test_tensor_keeps_range_alive():
     r = vmm_range(1 << 21)
-    r.map(0, r.granularity())
-    t = r.bytes_tensor(0, 1 << 21)
+    r.map(0, r.granularity)
+    t = r.tensor(torch.uint8, 0, 1 << 21)
     del r
     t.fill_(5)
     torch.cuda.synchronize()

@@ -1,0 +1,55 @@
+"""Python face of the extension's CUDA VMM range (csrc/vmm_cuda.cpp): errors become exceptions.
+
+A reserved virtual address range on one GPU; `map(offset, nbytes)` backs a piece of it with its own
+physical allocation, `unmap(offset)` releases it, `tensor(dtype)` is a torch view of the whole range
+(touch only mapped parts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _raise(message: str) -> None:
+    if message.startswith("invalid: "):
+        raise ValueError("VmmRange: " + message[len("invalid: "):])
+    if message:
+        raise RuntimeError(message)
+
+
+class VmmRange:
+    def __init__(self, nbytes: int, device: int):
+        from . import ops  # noqa: F401  (loads hybridengine._C)
+
+        try:
+            cls = torch.classes.hybridengine.VmmRange
+        except (AttributeError, RuntimeError) as e:
+            raise RuntimeError("hybridengine._C was built without CUDA ops: no VmmRange") from e
+        self._range = cls(int(nbytes), int(device))
+        _raise(self._range.error())
+
+    @property
+    def granularity(self) -> int:
+        return self._range.granularity()
+
+    @property
+    def size(self) -> int:
+        return self._range.size()
+
+    def map(self, offset: int, nbytes: int) -> None:
+        _raise(self._range.map(int(offset), int(nbytes)))
+
+    def unmap(self, offset: int) -> None:
+        _raise(self._range.unmap(int(offset)))
+
+    def is_mapped(self, offset: int) -> bool:
+        return self._range.is_mapped(int(offset))
+
+    def mapped_bytes(self) -> int:
+        return self._range.mapped_bytes()
+
+    def tensor(self, dtype: torch.dtype, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        nbytes = self.size - offset if nbytes is None else nbytes
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"VmmRange.tensor: [{offset}, {offset + nbytes}) is outside the reserved {self.size} bytes")
+        return self._range.bytes_tensor(int(offset), int(nbytes)).view(dtype)
