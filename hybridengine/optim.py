@@ -1,0 +1,288 @@
+"""AdamW on one rank's flat training shard: fp32 master weights and moments as flat buffers, one
+fused pass per unit that also writes the rounded weights straight into the shared buffer.
+
+Three layers, as for every op: `adamw_step_ref` (plain torch, the spec; the CPU path and the tests
+use it), the Triton kernel and its launcher in `hybridengine.kernels.adamw` (CUDA), and
+`FlatAdamW`, which validates once, keeps the state and picks a path per device.
+
+The math is `torch.optim.AdamW`'s single-tensor path, operation for operation:
+
+    p  = p * (1 - lr * wd)                  only where the decay mask is set
+    m  = lerp(m, g, 1 - beta1)              torch's lerp: m + w * (g - m) for w < 0.5, else g - (g - m) * (1 - w)
+    v  = v * beta2 + (1 - beta2) * g * g
+    p  = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)      bc_i = 1 - beta_i ** step
+
+with every scalar rounded to fp32 once on the host and every operation rounded to fp32 in that
+order (no fused multiply-adds). The reference and the kernel therefore agree bit for bit (the
+kernel uses IEEE `div_rn` / `sqrt_rn` and is compiled without fp contraction), and both stay
+within a few fp32 ulps of torch (its CPU lerp is an FMA in the vector loop, and its fp32 sqrt is
+not correctly rounded on every input; tests/test_optim.py derives the bound).
+
+Bytes per element and step, bf16 weights with fp32 master: 4 (g) + 2 x 4 (m) + 2 x 4 (v) + 2 x 4
+(master) + 1 (mask) + 2 (param) = 31 B, against 84 B for the eight elementwise passes of torch's
+single-tensor AdamW on fp32 params (mul_, lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable
+
+import torch
+
+from .ops._ext import warn_once
+
+PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MASK_DTYPES = (torch.uint8, torch.bool)
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest fp32, as a Python float (how torch and Triton see a host scalar)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def adamw_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  step: int) -> dict[str, float]:
+    """The per-step scalars of the update, in fp32 (shared by the reference and the launcher).
+
+    Bias corrections are computed in double from the step, as torch does, then rounded once."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    return {
+        "decay_factor": _f32(1 - lr * weight_decay),
+        "lerp_weight": _f32(1 - beta1),
+        "beta2": _f32(beta2),
+        "one_minus_beta2": _f32(1 - beta2),
+        "neg_step_size": _f32(-(lr / bias_correction1)),
+        "bias_correction2_sqrt": _f32(bias_correction2**0.5),
+        "eps": _f32(eps),
+    }
+
+
+def check_unit(op: str, master, exp_avg, exp_avg_sq, grad, decay_mask, param) -> None:
+    """One unit's tensors: 1-D, contiguous, same numel and device; moments and grad fp32; master
+    and param bf16/fp16/fp32; mask uint8/bool. Shared by the reference and the launcher."""
+    if not isinstance(master, torch.Tensor) or master.dim() != 1 or master.stride(0) != 1:
+        raise ValueError(f"{op}: master must be a contiguous 1-D tensor, got {_describe(master)}")
+    if master.dtype not in PARAM_DTYPES:
+        raise ValueError(f"{op}: master must be bf16, fp16 or fp32, got {master.dtype}")
+    n, device = master.numel(), master.device
+    named = [("exp_avg", exp_avg, (torch.float32,)), ("exp_avg_sq", exp_avg_sq, (torch.float32,)),
+             ("grad", grad, (torch.float32,)), ("decay_mask", decay_mask, MASK_DTYPES)]
+    if param is not None:
+        named.append(("param", param, PARAM_DTYPES))
+    for name, t, dtypes in named:
+        if not isinstance(t, torch.Tensor) or t.shape != (n,) or (n and t.stride(0) != 1):
+            raise ValueError(f"{op}: {name} must be a contiguous 1-D tensor of {n} elements (master's), "
+                             f"got {_describe(t)}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{op}: {name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device}, master on {device}")
+
+
+def adamw_step_ref(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                   decay_mask: torch.Tensor, param: torch.Tensor | None = None, *, lr: float, beta1: float,
+                   beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float = 1.0) -> None:
+    """One AdamW step of one unit, in place, in plain torch (the spec of the fused kernel).
+
+    master [n] (fp32; or the bf16/fp16 params themselves when there is no master copy, then the
+    update runs in fp32 and is rounded back), exp_avg / exp_avg_sq / grad [n] fp32, decay_mask [n]
+    (nonzero: decay), param [n] or None: receives `master` rounded to its dtype (round to nearest
+    even, as `Tensor.to`). `grad` is read as `grad * grad_scale`; `step` counts from 1."""
+    check_unit("adamw_step_ref", master, exp_avg, exp_avg_sq, grad, decay_mask, param)
+    s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    with torch.no_grad():
+        g = grad * _f32(grad_scale)
+        p = master.float()
+        p = torch.where(decay_mask.bool(), p * s["decay_factor"], p)
+        m, v, w = exp_avg, exp_avg_sq, s["lerp_weight"]
+        if w < 0.5:
+            m_new = m + w * (g - m)
+        else:
+            m_new = g - (g - m) * (1 - w)  # 1 - w is exact in fp32 for w in [0.5, 1] (Sterbenz)
+        v_new = v * s["beta2"] + (s["one_minus_beta2"] * g) * g
+        # A 0-dim device tensor, not a Python scalar: CUDA torch turns division by a host scalar
+        # into multiplication by its reciprocal, which is not the same rounding.
+        bc2_sqrt = torch.full((), s["bias_correction2_sqrt"], dtype=torch.float32, device=master.device)
+        # sqrt through fp64, which rounds to the correctly rounded fp32 sqrt (53 >= 2 * 24 + 2 bits):
+        # torch's own CPU fp32 sqrt is not (7.5k of 1M random values off by one ulp, AVX512 build).
+        denom = v_new.double().sqrt().float() / bc2_sqrt + s["eps"]
+        p = p + (s["neg_step_size"] * m_new) / denom
+        exp_avg.copy_(m_new)
+        exp_avg_sq.copy_(v_new)
+        master.copy_(p)
+        if param is not None:
+            param.copy_(p)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)} strides {x.stride()}"
+    return type(x).__name__
+
+
+def _check_finite(name: str, value) -> float:
+    """A finite number >= 0, as a float."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    if not callable(lr):
+        _check_finite("lr", lr)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
+    _check_finite("eps", eps)
+    _check_finite("weight_decay", weight_decay)
+
+
+def _kernel_launcher():
+    from .kernels import adamw  # Triton imported on first use, after TRITON_INTERPRET is set
+
+    return adamw.adamw_step_
+
+
+def _use_kernel(device: torch.device) -> bool:
+    """The Triton kernel on CUDA; the reference on CPU, or on CUDA when Triton does not import (warned once)."""
+    if device.type != "cuda":
+        return False
+    try:
+        _kernel_launcher()
+    except Exception as e:  # noqa: BLE001 - any import failure means: no kernel here
+        warn_once(f"FlatAdamW: the Triton kernel does not import ({type(e).__name__}: {e}); running the "
+                  f"unfused torch reference")
+        return False
+    return True
+
+
+class FlatAdamW:
+    """AdamW over one rank's flat shard: one 1-D view per unit into the shared parameter buffer.
+
+    `params[i]` are the model weights (bf16/fp16/fp32) and are overwritten by every `step`.
+    `decay_masks[i]` (uint8/bool, same numel) marks the elements that take weight decay (not norms
+    and biases). `lr` is a float or a schedule `step -> lr` (step counts from 1). With
+    `master_weights` (default: when params are not fp32) the optimizer keeps fp32 copies, updates
+    them and writes their round-to-nearest-even into the params; without, an fp32 param is its own
+    master and a bf16/fp16 one is updated in fp32 and rounded back each step. State per unit:
+    `exp_avg`, `exp_avg_sq` (fp32), `master` (fp32 or None); `num_steps` counts the steps taken.
+    Elements whose grad, moments and weight are zero (padding) stay exactly zero.
+    """
+
+    def __init__(self, params: list[torch.Tensor], decay_masks: list[torch.Tensor], *,
+                 lr: float | Callable[[int], float], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, master_weights: bool | None = None):
+        if not isinstance(params, (list, tuple)) or not params:
+            raise ValueError(f"params must be a non-empty list of 1-D tensors, got {_describe(params)}")
+        if not isinstance(decay_masks, (list, tuple)) or len(decay_masks) != len(params):
+            got = len(decay_masks) if isinstance(decay_masks, (list, tuple)) else _describe(decay_masks)
+            raise ValueError(f"decay_masks must be a list of {len(params)} masks (one per param), got {got}")
+        device = params[0].device if isinstance(params[0], torch.Tensor) else None
+        for i, (p, mask) in enumerate(zip(params, decay_masks)):
+            if not isinstance(p, torch.Tensor) or p.dim() != 1 or (p.numel() and p.stride(0) != 1):
+                raise ValueError(f"params[{i}] must be a contiguous 1-D tensor, got {_describe(p)}")
+            if p.dtype not in PARAM_DTYPES:
+                raise ValueError(f"params[{i}] must be bf16, fp16 or fp32, got {p.dtype}")
+            if p.device != device:
+                raise ValueError(f"params[{i}] is on {p.device}, params[0] on {device}")
+            if not isinstance(mask, torch.Tensor) or mask.shape != p.shape:
+                raise ValueError(f"decay_masks[{i}] must have the shape of params[{i}], {tuple(p.shape)}, got "
+                                 f"{_describe(mask)}")
+            if mask.dtype not in MASK_DTYPES:
+                raise ValueError(f"decay_masks[{i}] must be uint8 or bool, got {mask.dtype}")
+            if mask.device != device:
+                raise ValueError(f"decay_masks[{i}] is on {mask.device}, params on {device}")
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        if master_weights not in (None, True, False):
+            raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
+        if master_weights is None:
+            master_weights = any(p.dtype != torch.float32 for p in params)
+
+        self.params = list(params)
+        self.decay_masks = [m.view(torch.uint8) if m.dtype == torch.bool else m for m in decay_masks]
+        # Plain attributes: a trainer may reassign them between steps; `step` validates them again.
+        self.lr = lr
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.master_weights = master_weights
+        self.num_steps = 0
+        self.exp_avg = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in params]
+        self.exp_avg_sq = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in params]
+        self.master = [p.detach().float().clone() for p in params] if master_weights else None
+        self.device = device
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step `step` (from 1), validated."""
+        if not callable(self.lr):
+            return _check_finite("lr", self.lr)
+        return _check_finite(f"lr({step}) (the schedule's value)", self.lr(step))
+
+    def step(self, grads: list[torch.Tensor], *, grad_scale: float = 1.0) -> None:
+        """One AdamW step with `grads[i] * grad_scale` (fp32 [numel of params[i]], already reduced
+        over ranks; grad_scale carries the clipping factor). Writes the new weights into `params`."""
+        if not isinstance(grads, (list, tuple)) or len(grads) != len(self.params):
+            got = len(grads) if isinstance(grads, (list, tuple)) else _describe(grads)
+            raise ValueError(f"grads must be a list of {len(self.params)} tensors (one per param), got {got}")
+        for i, (g, p) in enumerate(zip(grads, self.params)):
+            if not isinstance(g, torch.Tensor) or g.shape != p.shape or (g.numel() and g.stride(0) != 1):
+                raise ValueError(f"grads[{i}] must be a contiguous 1-D tensor of shape {tuple(p.shape)} "
+                                 f"(params[{i}]'s), got {_describe(g)}")
+            if g.dtype != torch.float32:
+                raise ValueError(f"grads[{i}] must be fp32, got {g.dtype}")
+            if g.device != self.device:
+                raise ValueError(f"grads[{i}] is on {g.device}, params on {self.device}")
+        grad_scale = _check_finite("grad_scale", grad_scale)
+        _check_hyperparameters(self.lr, self.betas, self.eps, self.weight_decay)
+        step = self.num_steps + 1
+        lr = self.lr_at(step)  # validated before any state changes
+        update = _kernel_launcher() if _use_kernel(self.device) else adamw_step_ref
+        beta1, beta2 = (float(b) for b in self.betas)
+        for i, p in enumerate(self.params):
+            if p.numel() == 0:
+                continue
+            master, param = (self.master[i], p) if self.master is not None else (p, None)
+            update(master, self.exp_avg[i], self.exp_avg_sq[i], grads[i], self.decay_masks[i], param, lr=lr,
+                   beta1=beta1, beta2=beta2, eps=float(self.eps), weight_decay=float(self.weight_decay), step=step,
+                   grad_scale=grad_scale)
+        self.num_steps = step
+
+    def state_dict(self) -> dict:
+        """{"step": int, "exp_avg": [fp32], "exp_avg_sq": [fp32], "master": [fp32] or None}: the live
+        tensors, not copies (like torch optimizers; `torch.save` copies). Hyperparameters and the
+        params themselves are not included: the weights are checkpointed with the model."""
+        return {"step": self.num_steps, "exp_avg": list(self.exp_avg), "exp_avg_sq": list(self.exp_avg_sq),
+                "master": None if self.master is None else list(self.master)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy a `state_dict()` into this optimizer's buffers (in place); with master weights the
+        params are rewritten from the loaded masters, so params == round(master) holds again."""
+        if not isinstance(state, dict) or set(state) != {"step", "exp_avg", "exp_avg_sq", "master"}:
+            raise ValueError(f"state must be a dict with keys step, exp_avg, exp_avg_sq, master, got "
+                             f"{sorted(state) if isinstance(state, dict) else _describe(state)}")
+        step = state["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+        if (state["master"] is None) != (self.master is None):
+            raise ValueError(f"state['master'] must be {'None' if self.master is None else 'a list of tensors'} "
+                             f"(this optimizer has master_weights={self.master_weights})")
+        keys = ["exp_avg", "exp_avg_sq"] + (["master"] if self.master is not None else [])
+        for key in keys:
+            tensors = state[key]
+            if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.params):
+                raise ValueError(f"state['{key}'] must be a list of {len(self.params)} tensors")
+            for i, (t, p) in enumerate(zip(tensors, self.params)):
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != torch.float32:
+                    raise ValueError(f"state['{key}'][{i}] must be an fp32 tensor of shape {tuple(p.shape)}, "
+                                     f"got {_describe(t)}")
+        with torch.no_grad():
+            for key in keys:
+                for dst, src in zip(getattr(self, key), state[key]):
+                    dst.copy_(src)
+            if self.master is not None:
+                for p, master in zip(self.params, self.master):
+                    p.copy_(master)
+        self.num_steps = step
