@@ -97,14 +97,10 @@ class HybridEngine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.sharded = None
-        if self.world_size == 1:
-            self.model = load_model(source, dtype=config.dtype, device=device, seed=config.seed)
-        else:
-            self.model = self._build_sharded(source)
+        self.model = self._build_sharded(source)
         self.model.eval()
-        self.vocab_size = self.sharded_vocab if self.sharded is not None else self.model.config.vocab_size
         self._runner: ModelRunner | None = None
+        self._training = None
         self._scheduler: Scheduler | None = None
         self.stats: dict[str, float] = {}
 
@@ -112,23 +108,48 @@ class HybridEngine:
         from .sharded import ShardedBuffer
 
         cfg = self.config
-        full = load_model(source, dtype=cfg.dtype, device="cpu", seed=cfg.seed)
+        # Alone, the full model is built on the target device; sharded, each rank builds it on the CPU
+        # and keeps only its shards.
+        full = load_model(source, dtype=cfg.dtype, device=self.device if self.world_size == 1 else "cpu", seed=cfg.seed)
+        self.model_config = full.config
         specs = full.flat_buffer.layout.specs
         self.sharded = ShardedBuffer(specs, dtype=cfg.dtype, device=self.device, tp_size=cfg.tp_generation)
         self.sharded.load_({n: p.detach() for n, p in full.named_parameters()})
         buffer = FlatParamBuffer(self.sharded.layout, dtype=cfg.dtype, rank=self.rank, data=self.sharded.gen.data)
         tp = cfg.tp_generation
-        self.sharded_vocab = full.config.vocab_size
+        self.vocab_size = full.config.vocab_size
         model = CausalLM(local_config(full.config, tp), buffer=buffer)
         del full
-        return parallelize(model, vocab_size=self.sharded_vocab, tp_rank=self.sharded.tp_rank, tp_size=tp,
+        return parallelize(model, vocab_size=self.vocab_size, tp_rank=self.sharded.tp_rank, tp_size=tp,
                            group=self.sharded.tp_group)
 
     def _tp_group(self):
-        if self.sharded is None or self.config.tp_generation == 1:
+        if self.config.tp_generation == 1:
             return None
         self._tp_src = dist.get_global_rank(self.sharded.tp_group, 0)
         return self.sharded.tp_group
+
+    # -- training -------------------------------------------------------------------------------------
+
+    def _trainer(self, cfg=None):
+        from .training import Trainer
+
+        if self._runner is not None:
+            raise RuntimeError("training calls (log_probs, ppo_step) are not allowed inside rollout()")
+        if self._training is None:
+            self._training = Trainer(self.sharded, self.model_config, optimizer_config=cfg)
+        return self._training
+
+    def log_probs(self, batch, *, temperature: float = 1.0, return_entropy: bool = False):
+        """[B, max_len - 1] log-probs of batch's target tokens (fused over the LM head, no grad)."""
+        return self._trainer().log_probs(batch, temperature=temperature, return_entropy=return_entropy)
+
+    def ppo_step(self, batch, config=None) -> dict:
+        """One PPO/GRPO optimizer step on this rank's batch: returns loss, metrics, grad_norm, lr, step_s."""
+        from .training import PPOConfig
+
+        config = config if config is not None else PPOConfig()
+        return self._trainer(config).ppo_step(batch, config)
 
     # -- rollout ------------------------------------------------------------------------------------
 
@@ -138,8 +159,7 @@ class HybridEngine:
         if self._runner is not None:
             raise RuntimeError("rollout() is already active")
         t0 = time.perf_counter()
-        if self.sharded is not None:
-            self.sharded.switch_to_generation()
+        self.sharded.switch_to_generation()
         try:
             self.stats["switch_to_generation_s"] = time.perf_counter() - t0
             kv = self._allocate_kv()
@@ -153,7 +173,7 @@ class HybridEngine:
             self._runner = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            if self.sharded is not None and self.sharded.state == "generation":
+            if self.sharded.state == "generation":
                 self.sharded.switch_to_training()
 
     def _allocate_kv(self) -> KVCache:

@@ -204,6 +204,13 @@ def _rope_from_hf(hf_config) -> RopeConfig:
     return RopeConfig(**kw)
 
 
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., head_dim] for positions [...], computed in fp32 and rounded to `dtype` (as HF)."""
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -304,7 +311,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn=None, layer_idx: int = 0) -> torch.Tensor:
+        """Dense [B, T, H] without `attn`; flat tokens [N, H] through `attn` (paged cache or packed
+        sequences) with it (training calls this through torch.func.functional_call)."""
+        if attn is not None:
+            return self.forward_paged(x, cos, sin, attn, layer_idx)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -358,10 +369,8 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, head_dim], computed in fp32 and rounded to `dtype` (as HF)."""
-        freqs = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos, sin [..., head_dim], computed in fp32 and rounded to `dtype` (as HF)."""
+        return rope_cos_sin(self.inv_freq, position_ids, dtype)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H] (positions default to 0..T-1)."""

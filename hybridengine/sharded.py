@@ -123,12 +123,13 @@ class ShardedBuffer:
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
                  timeout: datetime.timedelta | None = None):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's)."""
-        if not dist.is_initialized():
-            raise RuntimeError("ShardedBuffer needs torch.distributed initialised (torchrun, or "
-                               "init_process_group with gloo on CPU)")
-        self.group = group if group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        # Without torch.distributed the buffer is one rank alone: every collective is skipped.
+        self.local = not dist.is_initialized()
+        if self.local and group is not None:
+            raise ValueError("ShardedBuffer: a process group was given but torch.distributed is not initialised")
+        self.group = None if self.local else (group if group is not None else dist.group.WORLD)
+        self.world_size = 1 if self.local else dist.get_world_size(self.group)
+        self.rank = 0 if self.local else dist.get_rank(self.group)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -141,7 +142,7 @@ class ShardedBuffer:
         m = self.layout.num_shards
         self.tp_rank, self.shard_index = divmod(self.rank, m)
         # Every rank creates every subgroup, in the same order (torch.distributed requires it).
-        global_ranks = [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
+        global_ranks = [dist.get_global_rank(self.group, r) if self.group not in (None, dist.group.WORLD) else r
                         for r in range(self.world_size)]
         self.micro_dp_group = self.tp_group = None
         for t in range(tp_size):
@@ -181,6 +182,8 @@ class ShardedBuffer:
         key = repr(([(s.name, s.shape, s.role, s.granule) for s in lay.specs], lay.tp_size, lay.shard_align_bytes,
                     str(dtype)))
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        if self.local:
+            return
         digests: list[str] = [""] * self.world_size
         dist.all_gather_object(digests, digest, group=self.group)
         bad = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -275,6 +278,8 @@ class ShardedBuffer:
 
     def _gather(self, u: int) -> torch.Tensor:
         unit = self.layout.units[u]
+        if self.world_size == 1 and self.layout.tp_size == 1:
+            return self.gen.unit_slice(u)[:unit.natural_numel]  # the shard is the whole unit: zero-copy
         full = torch.empty(unit.numel, dtype=self.gen.data.dtype, device=self.device)
         _all_gather(full, self.gen.own_shard(u), group=self.group)
         if self.layout.tp_size == 1:
@@ -296,6 +301,10 @@ class ShardedBuffer:
             event = torch.cuda.Event()
             event.record(self._side_stream)
         self._prefetched[u] = _Prefetch(natural, event)
+
+    def clear_prefetch(self) -> None:
+        """Drop prefetched units not used (they would be stale after the next optimizer step)."""
+        self._prefetched.clear()
 
     def gather_unit(self, u: int) -> torch.Tensor:
         """Unit u's parameters in natural layout (a transient buffer); use `natural_view` for each one."""
@@ -325,7 +334,10 @@ class ShardedBuffer:
             packed = natural_grad  # caller allocated the padded unit: no copy at all
         else:
             packed = self.pack_unit(u, natural_grad)
-        _reduce_scatter(out, packed, op=op, group=self.group)
+        if self.world_size == 1:
+            out.copy_(packed[:unit.shard_numel])
+        else:
+            _reduce_scatter(out, packed, op=op, group=self.group)
 
     def close(self) -> None:
         """Release G (and with it every mapping)."""

@@ -147,11 +147,27 @@ def test_mismatched_layouts_raise_on_every_rank():
     _spawn(_mismatch, 2)
 
 
-def test_needs_initialised_process_group():
+def test_without_torch_distributed_one_rank_alone():
     from hybridengine.sharded import ShardedBuffer
 
-    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
-        ShardedBuffer(model_specs(**MODELS["odd-hidden"]), dtype=torch.float32)
+    specs = model_specs(**MODELS["odd-hidden"])
+    params = full_params(specs, torch.float32)
+    buf = ShardedBuffer(specs, dtype=torch.float32)
+    assert buf.world_size == 1 and buf.local
+    buf.load_(params)
+    natural = buf.gather_unit(1)
+    assert natural.data_ptr() == buf.gen.unit_slice(1).data_ptr()  # zero-copy: the shard is the unit
+    for s in buf.layout.units[1].params:
+        assert torch.equal(buf.natural_view(natural, s.name), params[s.name])
+    buf.switch_to_generation()
+    assert all(torch.equal(v, params[n]) for n, v in buf.generation_views().items())
+    buf.switch_to_training()
+    grad = torch.randn(buf.layout.units[1].natural_numel, dtype=torch.float64)
+    out = torch.empty(buf.layout.units[1].shard_numel, dtype=torch.float64)
+    buf.reduce_scatter_grad(1, grad, out)
+    assert torch.equal(out[:len(grad)], grad) and not out[len(grad):].any()
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        ShardedBuffer(specs, dtype=torch.float32, group=object())
 
 
 def test_failed_mapping_leaves_training_state(monkeypatch):

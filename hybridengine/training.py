@@ -1,0 +1,437 @@
+"""Training on the shared buffer: ZeRO-3-style forward/backward, log-probs and the PPO step.
+
+The training view of the parameters never exists as a whole. Forward runs unit by unit: gather the
+unit's shards from all ranks (`ShardedBuffer.gather_unit`, prefetching the next one), run it, drop
+it. Every decoder layer is activation-checkpointed: forward keeps only each layer's input; backward
+walks the layers in reverse, gathers the layer again, recomputes it with autograd, backpropagates,
+packs the parameter gradients to slice-major order and reduce-scatters them (fp32) into this rank's
+gradient shard. The loss is the fused `ppo_loss` over the LM head, so the [tokens, vocab] logits
+never exist. The optimizer (`FlatAdamW`) updates fp32 master shards and writes the new bf16 weights
+straight into the shard inside the generation buffer: the next rollout sees them with no sync.
+
+Sequences are packed (no padding token is computed): flat token ids with positions restarting at 0
+per sequence, attention per sequence (`PackedAttention`).
+
+Data parallelism: each rank passes its own batch; its loss is aggregated over its own tokens or
+sequences (`loss_agg`), and gradients are averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from .model import CausalLM, ModelConfig, rope_cos_sin
+from .sharded import ShardedBuffer
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+@dataclass(kw_only=True, slots=True)
+class PPOConfig:
+    """One PPO/GRPO optimizer step (names as in verl where they exist)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    """Dual-clip bound (> 1) for negative advantages; None: off."""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    temperature: float = 1.0
+    """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
+    micro_batch_tokens: int = 16384
+    """Most tokens in one forward/backward (gradients accumulate over micro-batches)."""
+    max_grad_norm: float | None = 1.0
+    """Global gradient-norm clipping; None: off."""
+    lr: float | Callable[[int], float] = 1e-6
+    """A float, or a schedule: step (from 1) -> learning rate."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"PPOConfig.loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"PPOConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"PPOConfig.max_grad_norm must be None or > 0, got {self.max_grad_norm}")
+        if self.temperature <= 0:
+            raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PPOBatch:
+    """Variable-length sequences (prompt + response) and per-target-token training data.
+
+    `input_ids[b]` has T_b >= 2 tokens; every other field is aligned with the *targets*
+    `input_ids[b][1:]` (length T_b - 1): position t is the prediction of token t + 1.
+    """
+
+    input_ids: list[torch.Tensor]
+    response_mask: list[torch.Tensor] | None = None
+    """1 where the target token is trained on (response tokens); None: log_probs only."""
+    old_logprobs: list[torch.Tensor] | None = None
+    advantages: list[torch.Tensor] | None = None
+    ref_logprobs: list[torch.Tensor] | None = None
+
+    def __post_init__(self):
+        if not self.input_ids:
+            raise ValueError("PPOBatch.input_ids must hold at least one sequence")
+        self.input_ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in self.input_ids]
+        for b, ids in enumerate(self.input_ids):
+            if ids.numel() < 2:
+                raise ValueError(f"PPOBatch.input_ids[{b}] has {ids.numel()} tokens; at least 2 are needed")
+        for name in ("response_mask", "old_logprobs", "advantages", "ref_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if len(value) != len(self.input_ids):
+                raise ValueError(f"PPOBatch.{name} has {len(value)} sequences, input_ids has {len(self.input_ids)}")
+            value = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in value]
+            for b, (v, ids) in enumerate(zip(value, self.input_ids)):
+                if v.numel() != ids.numel() - 1:
+                    raise ValueError(f"PPOBatch.{name}[{b}] has {v.numel()} entries; expected len(input_ids[{b}]) - 1 "
+                                     f"= {ids.numel() - 1} (one per target token)")
+            setattr(self, name, value)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(t.numel()) for t in self.input_ids]
+
+    def padded(self, name: str, rows: list[int], width: int, device) -> torch.Tensor:
+        """Field `name` of sequences `rows` as [len(rows), width] (zero padding)."""
+        out = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, b in enumerate(rows):
+            v = getattr(self, name)[b]
+            out[i, :v.numel()] = v
+        return out.to(device)
+
+
+class PackedAttention:
+    """Causal attention per sequence over packed tokens (the training path of `forward_paged`)."""
+
+    def __init__(self, cu_seqlens: list[int]):
+        self.cu = cu_seqlens
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None) -> torch.Tensor:
+        outs = []
+        for s, e in zip(self.cu[:-1], self.cu[1:]):
+            qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
+            T = e - s
+            if sliding_window is None or sliding_window >= T:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                i = torch.arange(T, device=q.device)
+                d = i[:, None] - i[None, :]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=(d >= 0) & (d < sliding_window),
+                                                   enable_gqa=True)
+            outs.append(o.transpose(0, 1))
+        return torch.cat(outs)
+
+
+def _micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive groups of sequences of at most max_tokens tokens (a longer sequence goes alone)."""
+    groups, current, tokens = [], [], 0
+    for b, n in enumerate(lengths):
+        if current and tokens + n > max_tokens:
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(b)
+        tokens += n
+    groups.append(current)
+    return groups
+
+
+def _plan_micro_batches(lengths: list[int], max_tokens: int, group) -> list[list[int]]:
+    """Micro-batches, the same number on every rank (each one gathers and reduce-scatters every unit,
+    so ranks must agree): a rank with fewer splits its largest groups, then pads with empty ones
+    (an empty micro-batch runs a masked dummy sequence that contributes nothing)."""
+    groups = _micro_batches(lengths, max_tokens)
+    if group is None or dist.get_world_size(group) == 1:
+        return groups
+    count = torch.tensor([len(groups)], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        count = count.cuda()
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    target = int(count.item())
+    while len(groups) < target:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            groups.append([])
+            continue
+        big = max(splittable, key=lambda g: sum(lengths[b] for b in g))
+        i = groups.index(big)
+        groups[i:i + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
+    return groups
+
+
+class Trainer:
+    """Forward/backward and the optimizer of one rank, over a ShardedBuffer."""
+
+    def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None):
+        from .optim import FlatAdamW
+
+        self.sharded, self.config = sharded, config
+        self.layout = sharded.layout
+        self.device = sharded.device
+        self.dtype = sharded.gen.data.dtype
+        # Module structure only (meta device): every call passes the gathered weights explicitly.
+        self.skeleton = CausalLM(config, dtype=self.dtype, device="meta")
+        self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)
+        self.units = {u.name: i for i, u in enumerate(self.layout.units)}
+        self.tied = config.tie_word_embeddings
+        self.head_name = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+        self.grads = [torch.zeros(u.shard_numel, dtype=torch.float32, device=self.device) for u in self.layout.units]
+        self._decay, self._replicated = self._masks()
+        self._opt_config = optimizer_config or PPOConfig()
+        c = self._opt_config
+        self.optimizer = FlatAdamW(sharded.shard_views(), self._decay, lr=c.lr, betas=c.betas, eps=c.eps,
+                                   weight_decay=c.weight_decay)
+
+    # -- masks over the flat shards ------------------------------------------------------------------
+
+    def _masks(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per unit shard: 1 where weight decay applies (matrices, not norms/biases), and 1 on copies of
+        replicated parameters (the norm counts them once: each of the tg slices holds one)."""
+        decay, replicated = [], []
+        for unit in self.layout.units:
+            d = torch.zeros(unit.numel, dtype=torch.bool)
+            r = torch.zeros(unit.numel, dtype=torch.bool)
+            specs = {s.name: s for s in unit.params}
+            for piece in unit.pieces:
+                s = specs[piece.name]
+                d[piece.offset:piece.offset + piece.slot_numel] = len(s.shape) >= 2
+                r[piece.offset:piece.offset + piece.slot_numel] = s.role == "replicated"
+            start, end = unit.shard_range(self.sharded.rank)
+            decay.append(d[start:end].to(self.device))
+            replicated.append(r[start:end].to(self.device))
+        return decay, replicated
+
+    # -- the pieces of the model, on explicit weights ---------------------------------------------------
+
+    def _layer(self, i: int, natural: torch.Tensor, x, cos, sin, attn, grad: bool):
+        unit = self.layout.units[self.units[f"layers.{i}"]]
+        prefix = f"model.layers.{i}."
+        params = {}
+        for s in unit.params:
+            p = self.layout.natural_view(natural, s.name)
+            params[s.name[len(prefix):]] = p.detach().requires_grad_(True) if grad else p
+        out = functional_call(self.skeleton.model.layers[i], params, (x, cos, sin, attn, i))
+        return out, params
+
+    def _norm(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.skeleton.model.norm, {"weight": weight}, (x,))
+
+    def _pack_inputs(self, batch: PPOBatch, rows: list[int]):
+        if not rows:  # an empty micro-batch still takes part in every collective: one dummy sequence
+            ids, positions, cu = torch.zeros(2, dtype=torch.long), torch.arange(2), [0, 2]
+        else:
+            ids = torch.cat([batch.input_ids[b] for b in rows])
+            positions = torch.cat([torch.arange(batch.lengths[b]) for b in rows])
+            cu = [0]
+            for b in rows:
+                cu.append(cu[-1] + batch.lengths[b])
+        ids, positions = ids.to(self.device), positions.to(self.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        return ids, cos, sin, PackedAttention(cu), cu
+
+    def _forward_layers(self, ids, cos, sin, attn, keep_inputs: bool):
+        """Embedding and every layer without autograd; returns (final residual stream, layer inputs)."""
+        embed_u = self.units["embed"]
+        natural = self.sharded.gather_unit(embed_u)
+        x = F.embedding(ids, self.layout.natural_view(natural, "model.embed_tokens.weight"))
+        inputs = []
+        for i in range(self.config.num_hidden_layers):
+            u = self.units[f"layers.{i}"]
+            self.sharded.prefetch_unit(u + 1)
+            natural = self.sharded.gather_unit(u)
+            if keep_inputs:
+                inputs.append(x)
+            x, _ = self._layer(i, natural, x, cos, sin, attn, grad=False)
+        return x, inputs
+
+    def _head_weights(self):
+        natural = self.sharded.gather_unit(self.units["head"])
+        norm_w = self.layout.natural_view(natural, "model.norm.weight")
+        if self.tied:
+            head_w = self.layout.natural_view(self.sharded.gather_unit(self.units["embed"]), self.head_name)
+        else:
+            head_w = self.layout.natural_view(natural, self.head_name)
+        return norm_w, head_w
+
+    @staticmethod
+    def _unpack(packed: torch.Tensor, cu: list[int]) -> torch.Tensor:
+        """Packed [N, ...] per-token rows -> [B, max_len - 1, ...]: each sequence without its last token."""
+        B, width = len(cu) - 1, max(e - s for s, e in zip(cu[:-1], cu[1:])) - 1
+        out = packed.new_zeros(B, width, *packed.shape[1:])
+        for b, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+            out[b, :e - s - 1] = packed[s:e - 1]
+        return out
+
+    def _targets(self, batch: PPOBatch, rows: list[int], width: int) -> torch.Tensor:
+        out = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, b in enumerate(rows):
+            out[i, :batch.lengths[b] - 1] = batch.input_ids[b][1:]
+        return out.to(self.device)
+
+    # -- public ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def log_probs(self, batch: PPOBatch, *, temperature: float = 1.0, micro_batch_tokens: int = 16384,
+                  return_entropy: bool = False):
+        """[B, max_len - 1] log-probs of the target tokens (zero past each sequence); entropy optional."""
+        from .ppo_loss import token_logprobs
+
+        width = max(batch.lengths) - 1
+        logp = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
+        ent = torch.zeros_like(logp) if return_entropy else None
+        for rows in _plan_micro_batches(batch.lengths, micro_batch_tokens, self.sharded.group):
+            ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
+            x, _ = self._forward_layers(ids, cos, sin, attn, keep_inputs=False)
+            norm_w, head_w = self._head_weights()
+            if not rows:
+                continue
+            hidden = self._unpack(self._norm(norm_w, x), cu)
+            targets = self._targets(batch, rows, hidden.shape[1])
+            out = token_logprobs(hidden, head_w, targets, temperature=temperature, return_entropy=return_entropy)
+            lp, e = out if return_entropy else (out, None)
+            for i, b in enumerate(rows):
+                n = batch.lengths[b] - 1
+                logp[b, :n] = lp[i, :n].float()
+                if ent is not None:
+                    ent[b, :n] = e[i, :n].float()
+        return (logp, ent) if return_entropy else logp
+
+    def ppo_step(self, batch: PPOBatch, cfg: PPOConfig) -> dict:
+        """One optimizer step on this rank's batch; returns loss, metrics, grad_norm, lr, timings."""
+        from .ppo_loss import ppo_loss
+
+        if batch.response_mask is None or batch.old_logprobs is None or batch.advantages is None:
+            raise ValueError("ppo_step needs batch.response_mask, batch.old_logprobs and batch.advantages")
+        if cfg.kl_coef and batch.ref_logprobs is None:
+            raise ValueError("PPOConfig.kl_coef > 0 needs batch.ref_logprobs")
+        t0 = time.perf_counter()
+        self.sharded.clear_prefetch()
+        for g in self.grads:
+            g.zero_()
+        groups = _plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group)
+        # The loss is aggregated over the whole rank batch: weight each micro-batch by its share.
+        mask_counts = [float(m.sum()) for m in batch.response_mask]
+        if cfg.loss_agg == "token-mean":
+            share = [sum(mask_counts[b] for b in rows) / max(sum(mask_counts), 1.0) for rows in groups]
+        else:
+            live = [c > 0 for c in mask_counts]
+            share = [sum(live[b] for b in rows) / max(sum(live), 1) for rows in groups]
+        totals: dict[str, float] = {}
+        for rows, w in zip(groups, share):
+            stats = self._micro_step(batch, rows, cfg, w, ppo_loss)
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + w * v
+        grad_norm = self._clip_and_step(cfg)
+        opt = self.optimizer
+        totals.update(grad_norm=grad_norm, lr=opt.lr_at(opt.num_steps), step=opt.num_steps,
+                      micro_batches=len(groups), step_s=time.perf_counter() - t0)
+        return totals
+
+    def _micro_step(self, batch: PPOBatch, rows: list[int], cfg: PPOConfig, weight: float, ppo_loss) -> dict:
+        ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
+        with torch.no_grad():
+            x_last, inputs = self._forward_layers(ids, cos, sin, attn, keep_inputs=True)
+        # Head: recompute with autograd from the final residual stream.
+        head_u, embed_u = self.units["head"], self.units["embed"]
+        natural_head = self.sharded.gather_unit(head_u)
+        norm_w = self.layout.natural_view(natural_head, "model.norm.weight").detach().requires_grad_(True)
+        natural_embed = self.sharded.gather_unit(embed_u) if self.tied else None
+        head_src = natural_embed if self.tied else natural_head
+        head_w = self.layout.natural_view(head_src, self.head_name).detach().requires_grad_(True)
+        x = x_last.detach().requires_grad_(True)
+        hidden = self._unpack(self._norm(norm_w, x), cu)
+        width = hidden.shape[1]
+        if rows:
+            fields = {name: batch.padded(name, rows, width, self.device) if getattr(batch, name) is not None else None
+                      for name in ("old_logprobs", "advantages", "response_mask", "ref_logprobs")}
+            targets = self._targets(batch, rows, width)
+        else:  # the dummy sequence of an empty micro-batch: fully masked, so loss 0 and zero gradients
+            zeros = torch.zeros(1, width, device=self.device)
+            fields = dict(old_logprobs=zeros, advantages=zeros, response_mask=zeros,
+                          ref_logprobs=zeros if batch.ref_logprobs is not None else None)
+            targets = torch.zeros(1, width, dtype=torch.long, device=self.device)
+        loss, metrics = ppo_loss(
+            hidden, head_w, targets, fields["old_logprobs"], fields["advantages"], fields["response_mask"],
+            temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
+            ref_logprobs=fields["ref_logprobs"], kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+            entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg)
+        # Data parallel: the global loss is the mean of the ranks' losses.
+        (loss * (weight / self.sharded.world_size)).backward()
+        grad_x = x.grad
+        head_grads = {"model.norm.weight": norm_w.grad}
+        embed_grad = None
+        if self.tied:
+            embed_grad = head_w.grad.float()
+        else:
+            head_grads[self.head_name] = head_w.grad
+        self._reduce(head_u, head_grads)
+        # Layers in reverse: gather again, recompute with autograd, backpropagate, reduce-scatter.
+        for i in reversed(range(self.config.num_hidden_layers)):
+            u = self.units[f"layers.{i}"]
+            if i > 0:
+                self.sharded.prefetch_unit(u - 1)
+            natural = self.sharded.gather_unit(u)
+            xi = inputs[i].detach().requires_grad_(True)
+            with torch.enable_grad():
+                out, params = self._layer(i, natural, xi, cos, sin, attn, grad=True)
+            out.backward(grad_x)
+            grad_x = xi.grad
+            prefix = f"model.layers.{i}."
+            self._reduce(u, {prefix + k: p.grad for k, p in params.items()})
+            inputs[i] = None
+        # Embedding: scatter-add of the input gradient rows (+ the LM head's share when tied).
+        natural = self.sharded.gather_unit(embed_u)
+        weight_shape = self.layout.natural_view(natural, "model.embed_tokens.weight").shape
+        g_embed = torch.zeros(weight_shape, dtype=torch.float32, device=self.device)
+        g_embed.index_add_(0, ids, grad_x.float())
+        if embed_grad is not None:
+            g_embed += embed_grad
+        self._reduce(embed_u, {"model.embed_tokens.weight": g_embed})
+        return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+    def _reduce(self, u: int, grads: dict[str, torch.Tensor]) -> None:
+        """Natural-layout fp32 gradients of unit u -> summed over ranks into this rank's grad shard."""
+        unit = self.layout.units[u]
+        natural = torch.zeros(unit.numel if self.layout.tp_size == 1 else unit.natural_numel, dtype=torch.float32,
+                              device=self.device)
+        for name, g in grads.items():
+            if g is not None:
+                self.layout.natural_view(natural, name).copy_(g)
+        out = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
+        self.sharded.reduce_scatter_grad(u, natural, out)
+        self.grads[u] += out
+
+    def _clip_and_step(self, cfg: PPOConfig) -> float:
+        # Replicated parameters have one copy per TP slice, each in some rank's shard: count 1/tg of each.
+        tg = self.layout.tp_size
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g, rep in zip(self.grads, self._replicated):
+            g2 = g.double().square()
+            sq += g2[~rep].sum() + g2[rep].sum() / tg
+        if not self.sharded.local and self.sharded.world_size > 1:
+            dist.all_reduce(sq, group=self.sharded.group)
+        norm = math.sqrt(float(sq))
+        scale = 1.0
+        if cfg.max_grad_norm is not None and norm > cfg.max_grad_norm:
+            scale = cfg.max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
+        opt = self.optimizer  # the step's config sets the hyper-parameters (a schedule stays a callable)
+        opt.lr, opt.betas, opt.eps, opt.weight_decay = cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay
+        opt.step(self.grads, grad_scale=scale)
+        return norm
