@@ -1,19 +1,23 @@
 """Rows -> `report.md`, PNG plots, and the README's benchmark section (between its markers).
 
-For each bench and model the report shows the latest run that measured it, and every ratio is
-taken inside that run: speed relative to the named peer (> 1: faster than it) and the fraction of
-the floor reached (1 = at the roofline). Floors come from the run's own floor rows:
+For each bench, model and provider the report shows the latest run that measured it. Every ratio
+is taken between rows of one run where that run measured both sides; where a peer was measured
+only in another run (the DeepSpeed, FSDP2 and HF peers ran apart from hybridengine), the cell
+carries a numbered note that names that run. Speed > 1: faster than the peer; "of floor" 1 = at
+the roofline. Floors come from the run's own rows:
 
-- switch: bytes each rank receives / the run's best all-gather bus bandwidth;
+- switch: bytes each rank receives / the run's best all-gather bus bandwidth, and the NCCL
+  all-gather of the switch's own bytes (provider nccl);
 - generate: per decode step, bf16 weights + the KV cache at the mean context / HBM copy bandwidth
-  (prefill ignored, so the floor is optimistic);
-- train step: 6 x params x tokens per GPU / the run's bf16 GEMM rate;
-- segment copy, HBM copy: the run's HBM copy bandwidth; GEMM and all-gather: the datasheet.
+  (prefill ignored, so the floor is optimistic); hybridengine's own `decode_step` floor row;
+- train step: 6 x params x tokens per GPU / the run's bf16 GEMM rate; PPO loss: 6 M H V / that rate;
+- segment copy, paged attention, HBM copy: the run's HBM copy bandwidth; GEMM and all-gather: the datasheet.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,10 +26,16 @@ from hybridengine.configs import MODEL_CONFIGS
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DATASHEET = {"hbm_copy": 4800.0, "gemm": 989.0}
 """H200 SXM datasheet: 4.8 TB/s HBM3e, ~989 dense bf16 TFLOP/s; all-gather has no datasheet floor."""
-KNOWN_BENCHES = {"hbm_copy", "gemm", "all_gather", "switch", "generate", "train_step", "segment_copy"}
+KNOWN_BENCHES = {"hbm_copy", "gemm", "all_gather", "switch", "switch_memory", "unit_gather", "generate", "decode_step",
+                 "train_step", "segment_copy", "paged_attention", "ppo_loss"}
 PEER = {"switch": "fsdp2", "generate": "hf_generate", "train_step": "fsdp2", "segment_copy": "torch_copy"}
 VARIANT_KEYS = ("case", "cache", "phase", "direction", "tg", "samples", "timer_sync")
 """Case entries that tell two rows of one provider and model apart."""
+GOAL = {"switch_vs_nccl": 1.15, "switch_vs_deepspeed": 1.5, "unit_gather_vs_nccl": 0.9, "decode_step_vs_floor": 1.5}
+"""The issues' targets: switch time <= 1.15 x the NCCL all-gather of its bytes and >= 1.5x faster than
+DeepSpeed ZeRO-3's gather; unit-gather bus bandwidth >= 0.9 x NCCL's; decode step within 1.5x of its floor."""
+HEADLINE_MODEL = "qwen2-7b"
+"""The README's model where a bench measured several."""
 
 
 def load(path: Path) -> list[dict]:
@@ -34,28 +44,64 @@ def load(path: Path) -> list[dict]:
 
 
 def latest(rows: list[dict], bench: str) -> list[dict]:
-    """Rows of `bench` from the latest run that measured each model (None for model-less benches)."""
-    by_model = defaultdict(list)
+    """Rows of `bench` from the latest run that measured each (model, provider)."""
+    groups = defaultdict(list)
     for r in rows:
         if r["bench"] == bench:
-            by_model[r["model"]].append(r)
+            groups[(r["model"], r["provider"])].append(r)
     out = []
-    for group in by_model.values():
+    for group in groups.values():
         last = max(group, key=lambda r: r["time"])["run_id"]
         out += [r for r in group if r["run_id"] == last]
     return out
 
 
+def matches(r: dict, match: dict) -> bool:
+    """Fields (and case entries, given as case_<key>; None: absent) equal `match`."""
+    return all((r["case"].get(k[5:]) if k.startswith("case_") else r.get(k)) == v for k, v in match.items())
+
+
 def pick(rows: list[dict], **match) -> dict | None:
     """The first row whose fields (and case entries, given as case_<key>) equal `match`."""
-    for r in rows:
-        if all((r["case"].get(k[5:]) if k.startswith("case_") else r.get(k)) == v for k, v in match.items()):
-            return r
-    return None
+    return next((r for r in rows if matches(r, match)), None)
+
+
+def in_run(rows: list[dict], run_id: str) -> list[dict]:
+    return [r for r in rows if r["run_id"] == run_id]
+
+
+def peer(rows: list[dict], run_id: str, **match) -> tuple[dict | None, bool]:
+    """The row matching `match` in run `run_id`, else in the latest run that has one; and whether it is the same run."""
+    same = pick(in_run(rows, run_id), **match)
+    if same is not None:
+        return same, True
+    found = [r for r in rows if matches(r, match)]
+    if not found:
+        return None, False
+    return pick(in_run(found, max(found, key=lambda r: r["time"])["run_id"]), **match), False
+
+
+def twin(rows: list[dict], r: dict | None, metric: str, **case) -> dict | None:
+    """The row of the same run, bench, provider, model and case (plus `case` entries) with another metric."""
+    if r is None:
+        return None
+    want = {**r["case"], **case}
+    return next((x for x in rows if x["run_id"] == r["run_id"] and x["bench"] == r["bench"] and x["metric"] == metric
+                 and x["provider"] == r["provider"] and x["model"] == r["model"] and x["case"] == want), None)
 
 
 def fmt(x: float | None, digits: int = 0) -> str:
     return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def sig(x: float | None, n: int = 3) -> str:
+    """`n` significant digits (all integer digits from 10^n up), thousands separated."""
+    if x is None:
+        return "–"
+    if x == 0 or abs(x) >= 10**n:
+        return f"{x:,.0f}"
+    x = float(f"{x:.{n}g}")
+    return f"{x:,.{max(0, n - 1 - math.floor(math.log10(abs(x))))}f}"
 
 
 def spread(r: dict, scale: float = 1.0, digits: int = 0) -> str:
@@ -65,13 +111,72 @@ def spread(r: dict, scale: float = 1.0, digits: int = 0) -> str:
     return f"{fmt(r['value'] * scale, digits)} ({fmt(r['p20'] * scale, digits)}–{fmt(r['p80'] * scale, digits)})"
 
 
+def sig_spread(r: dict | None, scale: float = 1.0) -> str:
+    """Median with its p20-p80 range, 3 significant digits."""
+    if r is None:
+        return "–"
+    if r["p20"] is None:
+        return sig(r["value"] * scale)
+    return f"{sig(r['value'] * scale)} ({sig(r['p20'] * scale)}–{sig(r['p80'] * scale)})"
+
+
+def _unit(seconds: float) -> tuple[str, float]:
+    return next(((u, k) for u, k in (("s", 1.0), ("ms", 1e-3)) if seconds >= k), ("us", 1e-6))
+
+
+def dur(seconds: float | None) -> str:
+    """Seconds as s, ms or us, 3 significant digits."""
+    if seconds is None:
+        return "–"
+    unit, k = _unit(seconds)
+    return f"{sig(seconds / k)} {unit}"
+
+
+def dur_spread(r: dict | None) -> str:
+    """A seconds row as median (p20–p80) in the unit of its median."""
+    if r is None:
+        return "–"
+    unit, k = _unit(r["value"])
+    if r["p20"] is None:
+        return f"{sig(r['value'] / k)} {unit}"
+    return sig_spread(r, 1 / k).replace(" (", f" {unit} (", 1)
+
+
 def ratio(a: float | None, b: float | None) -> str:
-    return "–" if not a or not b else f"{a / b:.2f}"
+    if not a or not b:
+        return "–"
+    return f"{a / b:.2f}" if a / b < 100 else sig(a / b)
 
 
 def table(header: list[str], body: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
+
+
+def run_label(r: dict) -> str:
+    return f"run {r['run_id']} ({r['num_gpus']} x {r['gpu']})"
+
+
+class Notes:
+    """Numbered notes of one section: `mark` gives a text's marker, str() the list."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f" [{self.texts.index(text) + 1}]"
+
+    def other_run(self, row: dict | None, own_run: str) -> str:
+        """The marker saying `row` (a peer) comes from another run than `own_run`; "" for the same run or no row."""
+        if row is None or row["run_id"] == own_run:
+            return ""
+        model = f" {row['model']}" if row["model"] else ""
+        return self.mark(f"other run: {row['provider']}{model} from {run_label(row)}, not from run {own_run}.")
+
+    def __str__(self) -> str:
+        return "".join(f"\n\n[{i}] {t}" for i, t in enumerate(self.texts, 1))
 
 
 class Floors:
@@ -121,7 +226,7 @@ def _peaks(rows: list[dict], r: dict) -> tuple[str, str]:
     out = []
     for source in ("torch", "nvml"):
         p = next((x for x in rows if x["metric"] == "peak_GiB" and x["provider"] == r["provider"]
-                  and x["model"] == r["model"] and x["case"].get("source") == source
+                  and x["model"] == r["model"] and x["run_id"] == r["run_id"] and x["case"].get("source") == source
                   and same_variant(x, r, ("cache", "timer_sync"))), None)
         out.append(fmt(p and p["value"], 1))
     return out[0], out[1]
@@ -165,76 +270,348 @@ def _phase(r: dict) -> str | None:
     return r["case"].get("phase") or {"train_to_gen": "gather", "gen_to_train": "release"}.get(r["case"].get("direction"))
 
 
-def switch_section(rows: list[dict]) -> str:
+def _switch_rows(rows: list[dict]) -> list[dict]:
+    """hybridengine's train->gen rows of the latest switch run, by model and tg."""
     sel = latest(rows, "switch")
+    ours = (r for r in sel if r["provider"] == "hybridengine" and r["metric"] == "seconds" and _phase(r) == "gather")
+    return sorted(ours, key=lambda r: (r["model"] or "", r["case"].get("tg", 0)))
+
+
+def _switch_peer(rows: list[dict], r: dict, provider: str) -> tuple[dict | None, bool]:
+    """A peer's gather of every parameter, at r's tg (the peers run tg = 1 only)."""
+    return peer(rows, r["run_id"], bench="switch", provider=provider, model=r["model"], metric="seconds",
+                case_phase="gather", case_tg=r["case"].get("tg"))
+
+
+def switch_section(rows: list[dict]) -> str:
+    notes = Notes()
+    body = []
+    for g in _switch_rows(rows):
+        run, model, tg = g["run_id"], g["model"], g["case"].get("tg")
+        own = in_run(rows, run)
+        key = dict(bench="switch", provider="hybridengine", model=model, case_tg=tg)
+        back = pick(own, **key, metric="seconds", case_direction="gen_to_train")
+        gbps = pick(own, **key, metric="GB_per_s")
+        nvml = pick(own, **key, metric="peak_GiB", case_source="nvml")
+        mem = pick(own, bench="switch_memory", provider="hybridengine", model=model, case_tg=tg)
+        nccl = pick(own, bench="switch", provider="nccl", model=model, metric="seconds", case_tg=tg)
+        received = g["case"].get("received_GB")
+        speeds = []
+        for provider in ("deepspeed_zero3", "fsdp2"):
+            p, _ = _switch_peer(rows, g, provider)
+            speeds.append("–" if p is None else ratio(p["value"], g["value"]) + notes.other_run(p, run))
+        peak = "–" if nvml is None else f"{sig(nvml['value'])} ({sig(nvml['case'].get('model_over_tg_GiB'))})"
+        mapped = "–" if mem is None else f"{sig(mem['case'].get('before_GiB'))} → {sig(mem['value'])}"
+        body.append([model or "–", str(tg), dur_spread(g), dur_spread(back), sig(received), sig(gbps and gbps["value"]),
+                     dur_spread(nccl) if nccl or received != 0 else "no bytes move",
+                     ratio(g["value"], nccl and nccl["value"]), *speeds, peak, mapped, run])
+    text = ("## Train -> generate switch\n\n"
+            "hybridengine: `switch_to_generation` (train->gen) and `switch_to_training` (gen->train) of the whole "
+            "model on 2 GPUs; at tg = 1 each rank receives the half it does not own, at tg = 2 no bytes move (a view "
+            "change). NCCL: one `all_gather_into_tensor` of the same bytes in the same run. Speed vs a peer = the "
+            "peer's gather of every parameter / hybridengine's train->gen, at tg = 1 (the peers have no tg = 2; they "
+            f"receive {_peer_bytes_note(rows)} per rank, without hybridengine's 2 MiB shard padding). Peak NVML: the "
+            "device's used memory during the timed switches (CUDA context and NCCL buffers included; torch's allocator "
+            "sees none of the VMM-mapped buffer) next to model/tg. Mapped: GiB of the generation buffer mapped in "
+            "training before -> after 100 more round trips.\n\n"
+            + table(["model", "tg", "train->gen (p20–p80)", "gen->train (p20–p80)", "GB received/rank", "GB/s received",
+                     "NCCL all-gather, same bytes", f"hybridengine / NCCL (goal <= {GOAL['switch_vs_nccl']})",
+                     f"speed vs DeepSpeed ZeRO-3 gather (goal >= {GOAL['switch_vs_deepspeed']})", "speed vs FSDP2 unshard",
+                     "peak NVML GiB (model/tg)", "mapped GiB", "run"], body) + str(notes))
+    return text + "\n\n" + _switch_peers_table(rows)
+
+
+def _peer_bytes_note(rows: list[dict]) -> str:
+    got = sorted({r["case"]["received_bytes_per_rank"] for r in latest(rows, "switch")
+                  if "received_bytes_per_rank" in r["case"] and r["metric"] == "seconds"})
+    return " / ".join(f"{b / 1e9:.2f} GB" for b in got) or "the model's bytes x (n-1)/n"
+
+
+def _switch_peers_table(rows: list[dict]) -> str:
+    """The peers' switch rows (each from its own latest run), their floor and speed vs FSDP2."""
+    sel = [r for r in latest(rows, "switch") if r["provider"] not in ("hybridengine", "nccl")]
+    notes = Notes()
     body = []
     for r in sel:
         if r["metric"] != "seconds":
             continue
         fl = Floors(rows, r["run_id"])
-        peer = pick(sel, provider=PEER["switch"], model=r["model"], metric="seconds", case_phase=_phase(r))
+        p, _ = peer(rows, r["run_id"], bench="switch", provider=PEER["switch"], model=r["model"], metric="seconds",
+                       case_phase=_phase(r))
         floor = fl.switch_s(r["case"]) if _phase(r) == "gather" else None
         torch_peak, nvml_peak = _peaks(sel, r) if _phase(r) == "gather" else ("", "")
         received = r["case"].get("received_bytes_per_rank")
         body.append([r["model"] or "–", _label(r), spread(r, 1e3, 1), fmt(received and received / 1e9, 2),
-                     fmt(floor and floor * 1e3, 1), ratio(floor, r["value"]), ratio(peer and peer["value"], r["value"]),
-                     torch_peak, nvml_peak])
-    return ("## Train -> generate switch (the peers at tg = 1: gather every parameter)\n\n"
+                     fmt(floor and floor * 1e3, 1), ratio(floor, r["value"]),
+                     ratio(p and p["value"], r["value"]) + notes.other_run(p, r["run_id"]),
+                     torch_peak, nvml_peak, r["run_id"]])
+    return ("### Peers (gather every parameter at tg = 1; floor: received bytes / the run's best all-gather busbw)\n\n"
             + table(["model", "provider", "ms (p20–p80)", "GB received/rank", "floor ms", "of floor",
-                     f"speed vs {PEER['switch']}", "peak GiB torch", "peak GiB nvml"], body))
+                     f"speed vs {PEER['switch']}", "peak GiB torch", "peak GiB nvml", "run"], body) + str(notes))
+
+
+def unit_gather_section(rows: list[dict]) -> str:
+    sel = latest(rows, "unit_gather")
+    notes = Notes()
+    body = []
+    for model in sorted({r["model"] for r in sel if r["provider"] == "hybridengine"}):
+        ours = sorted((r for r in sel if r["provider"] == "hybridengine" and r["model"] == model
+                       and r["metric"] == "seconds"), key=lambda r: r["case"].get("tg", 0))
+        if not ours:
+            continue
+        run = ours[0]["run_id"]
+        key = dict(bench="unit_gather", model=model)
+        nccl_bw, _ = peer(rows, run, **key, provider="nccl", metric="busbw_GB_per_s")
+        nccl_s = twin(rows, nccl_bw, "seconds")
+        fsdp, _ = peer(rows, run, **key, provider="fsdp2", metric="seconds")
+        nccl_mark, fsdp_mark = notes.other_run(nccl_bw, run), notes.other_run(fsdp, run)
+        for r in ours:
+            bw = twin(rows, r, "busbw_GB_per_s")
+            what = f"hybridengine tg={r['case'].get('tg')}" + (" + unpack" if r["case"].get("unpack") else "")
+            body.append([model, sig(r["case"].get("MB")), what, dur_spread(r), sig(bw and bw["value"]),
+                         ratio(bw and bw["value"], nccl_bw and nccl_bw["value"]) + nccl_mark,
+                         ratio(fsdp and fsdp["value"], r["value"]) + fsdp_mark, run])
+        if nccl_bw:
+            body.append([model, sig(nccl_bw["case"].get("MB")), "nccl all_gather_into_tensor", dur_spread(nccl_s),
+                         sig(nccl_bw["value"]), "1.00", ratio(fsdp and fsdp["value"], nccl_s and nccl_s["value"]),
+                         nccl_bw["run_id"]])
+        if fsdp:
+            body.append([model, "–", "fsdp2 unshard+reshard (bf16 params)", dur_spread(fsdp), "–", "–", "1.00",
+                         fsdp["run_id"]])
+    return ("## Unit gather (one decoder layer, 2 GPUs)\n\n"
+            "The training view's gather of `layers.0` (tg = 2 adds the unpack to natural layout) against one raw NCCL "
+            "all-gather of the same bytes and FSDP2's unshard + reshard of the same layer. busbw = layer bytes / time "
+            "x (n-1)/n. Speed vs FSDP2 = FSDP2's time / this row's time.\n\n"
+            + table(["model", "layer MB", "provider", "time (p20–p80)", "busbw GB/s",
+                     f"busbw / NCCL (goal >= {GOAL['unit_gather_vs_nccl']})", "speed vs FSDP2 unshard", "run"], body)
+            + str(notes))
+
+
+def _comparable(a: dict, b: dict) -> bool:
+    """Same per-GPU generation workload."""
+    return all(a["case"].get(k) == b["case"].get(k) for k in ("batch_per_gpu", "prompt", "new_tokens"))
+
+
+GENERATE_PEERS = (("hf_generate", {"case_cache": "dynamic"}, "HF generate, dynamic cache"),
+                  ("hf_generate", {"case_cache": "static"}, "HF generate, static cache"),
+                  ("deepspeed_gather_once", {"case_timer_sync": True}, "DeepSpeed gather-once"))
+
+
+def _generate_peer(rows: list[dict], r: dict, provider: str, match: dict) -> tuple[dict | None, bool]:
+    p, same = peer(rows, r["run_id"], bench="generate", provider=provider, model=r["model"], metric="tokens_per_s",
+                   **match)
+    return (p, same) if p is not None and _comparable(p, r) else (None, True)
 
 
 def generate_section(rows: list[dict]) -> str:
     sel = latest(rows, "generate")
+    notes = Notes()
+    body = []
+    for r in sel:
+        if r["metric"] != "tokens_per_s" or r["provider"] != "hybridengine":
+            continue
+        run, model, case = r["run_id"], r["model"], r["case"].get("case")
+        own = in_run(rows, run)
+        step = pick(own, bench="decode_step", provider="hybridengine", model=model, case_case=case)
+        floor = pick(own, bench="decode_step", provider="floor", model=model, case_case=case)
+        if floor is not None and floor["case"].get("batch_per_gpu") != r["case"].get("batch_per_gpu"):
+            floor = None
+        floor_mark = ""
+        if floor is not None and "hbm_GBps" in floor["case"]:
+            hbm = Floors(rows, run).hbm_GBps
+            fc = floor["case"]
+            floor_mark = notes.mark(f"decode-step floor of run {run}: weights ({sig(fc.get('weights_GiB'))} GiB) + the KV "
+                       f"of {fc.get('batch_per_gpu')} sequences at mean context "
+                       f"{floor['case'].get('mean_context')}, read at {fmt(floor['case']['hbm_GBps'])} GB/s (the run's "
+                       f"hbm_copy: {fmt(hbm)} GB/s).")
+        per_gpu = r["value"] / max(r["num_gpus"], 1)
+        speeds = []
+        for provider, match, _ in GENERATE_PEERS:
+            p, _ = _generate_peer(rows, r, provider, match)
+            speeds.append("–" if p is None else
+                          ratio(per_gpu, p["value"] / max(p["num_gpus"], 1)) + notes.other_run(p, run))
+        nvml = pick(own, bench="generate", provider="hybridengine", model=model, metric="peak_GiB", case_case=case,
+                    case_source="nvml")
+        shape = f"{r['case'].get('batch_per_gpu')} x {r['case'].get('new_tokens')}"
+        body.append([model, f"{case} (n={r['case'].get('samples')})", shape, sig_spread(r), str(r["num_gpus"]),
+                     sig(per_gpu),
+                     dur(step and step["value"]), dur(floor and floor["value"]) + floor_mark,
+                     ratio(step and step["value"], floor and floor["value"]), *speeds, sig(nvml and nvml["value"]), run])
+    ours = ("## Rollout generation\n\n### hybridengine\n\n"
+            "`HybridEngine.generate` with CUDA graphs, one GPU per run, sampling at temperature 1 (the peers decode "
+            "greedily; every call generates the full length either way). Sequences per GPU x new tokens: 64 x 128 is "
+            "the peers' workload (64 prompts x 128 random tokens); grpo is 8 prompts x n = 8 samples x 512. Decode "
+            "step: the engine's decode time / steps; floor: the run's `decode_step` floor row (weights + KV bytes / HBM "
+            "bandwidth). Speed vs a peer: tok/s per GPU / the peer's tok/s per GPU on the same workload (the peers ran "
+            "on 2 GPUs, each GPU generating for its own 64 prompts). Peak NVML includes the KV cache the engine "
+            "reserves up front (gpu_memory_utilization 0.85).\n\n"
+            + table(["model", "case", "seqs/GPU x new tokens", "tok/s (p20–p80)", "GPUs", "tok/s per GPU", "decode step",
+                     "floor step", f"step / floor (goal <= {GOAL['decode_step_vs_floor']})",
+                     *(f"speed vs {label}" for _, _, label in GENERATE_PEERS), "peak GiB nvml", "run"], body)
+            + str(notes)) if body else "## Rollout generation"
+    return ours + "\n\n" + _generate_peers_table(rows)
+
+
+def _generate_peers_table(rows: list[dict]) -> str:
+    sel = [r for r in latest(rows, "generate") if r["provider"] != "hybridengine"]
+    notes = Notes()
     body = []
     for r in sel:
         if r["metric"] != "tokens_per_s":
             continue
         fl = Floors(rows, r["run_id"])
         secs = next((x for x in sel if x["provider"] == r["provider"] and x["model"] == r["model"]
-                     and x["metric"] == "seconds" and same_variant(x, r)), None)
-        peer = pick(sel, provider=PEER["generate"], model=r["model"], metric="tokens_per_s", case_cache="dynamic")
+                     and x["run_id"] == r["run_id"] and x["metric"] == "seconds" and same_variant(x, r)), None)
+        p, _ = peer(rows, r["run_id"], bench="generate", provider=PEER["generate"], model=r["model"],
+                       metric="tokens_per_s", case_cache="dynamic")
         floor = fl.generate_tok_s(r["model"], r["case"], r["num_gpus"])
         torch_peak, nvml_peak = _peaks(sel, r)
         steps = r["case"].get("new_tokens")
         body.append([r["model"] or "–", _label(r), spread(r), fmt(secs and steps and secs["value"] / steps * 1e3, 1),
-                     fmt(floor), ratio(r["value"], floor), ratio(r["value"], peer and peer["value"]),
-                     torch_peak, nvml_peak])
-    return ("## Rollout generation (per GPU: 64 prompts x 128 random tokens, 128 new tokens, greedy)\n\n"
+                     fmt(floor), ratio(r["value"], floor),
+                     ratio(r["value"], p and p["value"]) + notes.other_run(p, r["run_id"]),
+                     torch_peak, nvml_peak, r["run_id"]])
+    return ("### Peers (per GPU: 64 prompts x 128 random tokens, 128 new tokens, greedy)\n\n"
             "tok/s is the total over all GPUs of the run; ms/step is one generate call / 128.\n\n"
             + table(["model", "provider", "tok/s (p20–p80)", "ms/step", "floor tok/s", "of floor",
-                     f"speed vs {PEER['generate']}", "peak GiB torch", "peak GiB nvml"], body))
+                     f"speed vs {PEER['generate']}", "peak GiB torch", "peak GiB nvml", "run"], body) + str(notes))
 
 
 def train_section(rows: list[dict]) -> str:
     sel = latest(rows, "train_step")
+    notes = Notes()
     body = []
     for r in sel:
         if r["metric"] != "seconds":
             continue
         floor = Floors(rows, r["run_id"]).train_s(r["case"])
-        tok = pick(sel, provider=r["provider"], model=r["model"], metric="tokens_per_s")
-        peer = pick(sel, provider=PEER["train_step"], model=r["model"], metric="seconds")
+        tok = twin(rows, r, "tokens_per_s")
+        p, _ = peer(rows, r["run_id"], bench="train_step", provider=PEER["train_step"], model=r["model"],
+                       metric="seconds")
         torch_peak, nvml_peak = _peaks(sel, r)
         body.append([r["model"], r["provider"], spread(r, 1, 3), fmt(tok and tok["value"]), fmt(floor, 3),
-                     ratio(floor, r["value"]), ratio(peer and peer["value"], r["value"]), torch_peak, nvml_peak])
+                     ratio(floor, r["value"]),
+                     ratio(p and p["value"], r["value"]) + notes.other_run(p, r["run_id"]),
+                     torch_peak, nvml_peak])
     return ("## Train step (per GPU: 4 x 1024 tokens, fwd + bwd + AdamW, no activation checkpointing)\n\n"
             + table(["model", "provider", "s (p20–p80)", "tok/s", "floor s", "of floor", f"speed vs {PEER['train_step']}",
-                     "peak GiB torch", "peak GiB nvml"], body))
+                     "peak GiB torch", "peak GiB nvml"], body) + str(notes))
 
 
 def segment_copy_section(rows: list[dict]) -> str:
     sel = [r for r in latest(rows, "segment_copy") if r["metric"] == "GB_per_s"]
     body = []
     for r in sorted(sel, key=lambda r: (r["case"].get("pattern", ""), r["case"].get("bytes", 0), r["provider"])):
-        peer = pick(sel, run_id=r["run_id"], provider=PEER["segment_copy"], case_pattern=r["case"].get("pattern"),
-                    case_bytes=r["case"].get("bytes"))
+        peer_row = pick(sel, run_id=r["run_id"], provider=PEER["segment_copy"], case_pattern=r["case"].get("pattern"),
+                        case_bytes=r["case"].get("bytes"))
         hbm = Floors(rows, r["run_id"]).hbm_GBps
         body.append([r["case"].get("pattern", "–"), size(r["case"].get("bytes", 0)), fmt(r["case"].get("rows")), r["provider"],
-                     spread(r), ratio(r["value"], hbm), ratio(r["value"], peer and peer["value"])])
-    return ("## Segment copy (resharding op; GB/s counts read + write)\n\n"
+                     spread(r), ratio(r["value"], hbm), ratio(r["value"], peer_row and peer_row["value"])])
+    runs = ", ".join(sorted({r["run_id"] for r in sel}))
+    return (f"## Segment copy (resharding op; GB/s counts read + write; run {runs or '–'})\n\n"
             + table(["pattern", "size", "table rows", "provider", "GB/s (p20–p80)", "of HBM copy",
                      f"speed vs {PEER['segment_copy']}"], body))
+
+
+def _gbps(rows: list[dict], r: dict | None) -> float | None:
+    g = twin(rows, r, "GB_per_s")
+    return g and g["value"]
+
+
+def paged_attention_section(rows: list[dict]) -> str:
+    sel = [r for r in latest(rows, "paged_attention") if r["metric"] == "seconds"]
+    ours = sorted((r for r in sel if r["provider"] == "hybridengine" and r["case"].get("split") == "auto"),
+                  key=lambda r: (r["case"].get("batch", 0), r["case"].get("context", 0)))
+    notes = Notes()
+    body = []
+    for r in ours:
+        run, c = r["run_id"], r["case"]
+        key = dict(bench="paged_attention", model=r["model"], metric="seconds", case_batch=c.get("batch"),
+                   case_context=c.get("context"))
+        one = pick(in_run(rows, run), **key, provider="hybridengine", case_split="one_pass")
+        cells = []
+        for provider in ("sdpa_dense", "flex_attention"):
+            p, _ = peer(rows, run, **key, provider=provider)
+            cells.append((p, notes.other_run(p, run)))
+        (sdpa, sdpa_mark), (flex, flex_mark) = cells
+        us = lambda x: sig(x and x["value"] * 1e6)  # noqa: E731
+        hbm = Floors(rows, run).hbm_GBps
+        body.append([str(c.get("batch")), fmt(c.get("context")), size(c.get("kv_bytes", 0)),
+                     f"{us(r)} ({c.get('num_partitions', '–')})", sig(_gbps(rows, r)), us(one), sig(_gbps(rows, one)),
+                     us(sdpa) + sdpa_mark, sig(_gbps(rows, sdpa)), us(flex) + flex_mark, sig(_gbps(rows, flex)),
+                     ratio(sdpa and sdpa["value"], r["value"]) + sdpa_mark, ratio(_gbps(rows, r), hbm)])
+    if not ours:
+        return "## Paged decode attention\n\nNo hybridengine rows yet."
+    runs = sorted({r["run_id"] for r in ours})
+    hbm_text = "; ".join(f"run {run} ({ours[0]['num_gpus']} x {ours[0]['gpu']}), "
+                         f"hbm_copy {fmt(Floors(rows, run).hbm_GBps)} GB/s" for run in runs)
+    return ("## Paged decode attention (one Qwen2-7B layer: 28 q heads, 4 kv heads, head_dim 128, bf16)\n\n"
+            f"{hbm_text}. One query token per sequence, every sequence at the same context, cold L2. us: median "
+            "microseconds per call; GB/s: K + V bytes read / time. hybridengine: the Triton paged kernel over "
+            "16-token blocks with the split-K it picks (partitions in parentheses) and, where that splits, forced to "
+            "one pass. sdpa_dense: `scaled_dot_product_attention` over contiguous K/V. flex_attention: compiled "
+            "FlexAttention paged (128-token pages), three shapes only. Speed vs SDPA = SDPA time / hybridengine time; "
+            "of HBM copy = hybridengine GB/s / the run's hbm_copy GB/s.\n\n"
+            + table(["batch", "context", "KV", "hybridengine us (splits)", "GB/s", "one_pass us", "GB/s", "sdpa_dense us",
+                     "GB/s", "flex_attention us", "GB/s", "speed vs sdpa_dense", "of HBM copy"], body) + str(notes))
+
+
+PPO_PROVIDERS = ("hybridengine", "torch_ref", "torch_chunked", "liger")
+
+
+def ppo_loss_section(rows: list[dict]) -> str:
+    sel = latest(rows, "ppo_loss")
+    anchors = sorted((r for r in sel if r["provider"] == "hybridengine" and r["metric"] == "seconds"
+                      and not r["case"].get("sweep")), key=lambda r: r["case"].get("tokens", 0))
+    notes = Notes()
+    body = []
+    for he in anchors:
+        run, tokens = he["run_id"], he["case"].get("tokens")
+        gemm = Floors(rows, run).gemm_TFLOPs
+        for provider in PPO_PROVIDERS:
+            key = dict(bench="ppo_loss", provider=provider, model=he["model"], case_tokens=tokens, case_sweep=None)
+            r = he if provider == "hybridengine" else peer(rows, run, **key, metric="seconds")[0]
+            if r is None:
+                missing = pick(in_run(rows, run), **key, metric="not_run")
+                if missing is not None:
+                    body.append([fmt(tokens), provider, "–", "not run" + notes.mark(
+                        f"{provider}: {missing['case']['reason']}"), "–", "–", "–", "–", "–", "–"])
+                continue
+            mark = notes.other_run(r, run)
+            tflops = twin(rows, r, "TFLOP_per_s")
+            extra = twin(rows, r, "peak_GiB", source="torch", scope="extra")
+            ref, _ = peer(rows, run, **{**key, "provider": "torch_ref"}, metric="seconds")
+            chunked, _ = peer(rows, run, **{**key, "provider": "torch_chunked"}, metric="seconds")
+            body.append([fmt(tokens), provider + mark, fmt(r["case"].get("chunk_rows")), sig_spread(r, 1e3),
+                         sig(tflops and tflops["value"]), ratio(tflops and tflops["value"], gemm),
+                         sig(extra and extra["value"]), ratio(ref and ref["value"], r["value"]),
+                         ratio(chunked and chunked["value"], r["value"]), r["run_id"]])
+    text = ("## PPO / GRPO loss over the LM head (forward + backward)\n\n"
+            "Qwen2-7B's head (H = 3584, V = 152064, bf16), M tokens in sequences of 1024, GRPO-like loss (clip 0.2, "
+            "k3 KL 0.04, token-mean). TFLOP/s counts 6 M H V for every provider (torch_chunked recomputes the logits: "
+            "8 M H V); of GEMM = TFLOP/s / the run's bf16 GEMM rate. Extra peak GiB: torch's allocator peak during "
+            "one call minus what was allocated before it, the gradients of hidden and weight included. Speed vs a "
+            "peer = its time / this row's time.\n\n"
+            + table(["M", "provider", "chunk rows", "ms (p20–p80)", "TFLOP/s", "of GEMM", "extra peak GiB",
+                     "speed vs torch_ref", "speed vs torch_chunked", "run"], body) + str(notes))
+    sweep = [r for r in sel if r["provider"] == "hybridengine" and r["metric"] == "seconds" and r["case"].get("sweep")]
+    if not sweep:
+        return text
+    sbody = []
+    for tokens in sorted({r["case"].get("tokens") for r in sweep}):
+        default = next((a for a in anchors if a["case"].get("tokens") == tokens
+                        and a["run_id"] == sweep[0]["run_id"]), None)
+        group = sorted([r for r in sweep if r["case"].get("tokens") == tokens] + ([default] if default else []),
+                       key=lambda r: r["case"].get("chunk_rows", 0))
+        for r in group:
+            tflops = twin(rows, r, "TFLOP_per_s")
+            extra = twin(rows, r, "peak_GiB", source="torch", scope="extra")
+            sbody.append([fmt(tokens), fmt(r["case"].get("chunk_rows")) + (" (default)" if r is default else ""),
+                          sig_spread(r, 1e3), sig(tflops and tflops["value"]), sig(extra and extra["value"]),
+                          ratio(default and default["value"], r["value"]), r["run_id"]])
+    return (text + "\n\n### Chunk-size sweep (hybridengine)\n\n"
+            + table(["M", "chunk rows", "ms (p20–p80)", "TFLOP/s", "extra peak GiB", "speed vs default chunk", "run"],
+                    sbody))
 
 
 def other_section(rows: list[dict]) -> str:
@@ -245,10 +622,10 @@ def other_section(rows: list[dict]) -> str:
             if r["metric"] == "not_run":
                 continue
             case = ", ".join(f"{k}={v}" for k, v in r["case"].items())
-            body.append([bench, r["model"] or "–", r["provider"], case.replace("|", "/"), r["metric"],
-                         spread(r, 1, 4 if abs(r["value"]) < 10 else 1), r["run_id"]])
-    return "## Other benches\n\n" + (table(["bench", "model", "provider", "case", "metric", "median (p20–p80)", "run"], body)
-                                      if body else "None yet.")
+            value = dur_spread(r) if r["metric"] == "seconds" else sig_spread(r)
+            body.append([bench, r["model"] or "–", r["provider"], case.replace("|", "/"), r["metric"], value, r["run_id"]])
+    header = ["bench", "model", "provider", "case", "metric", "median (p20–p80)", "run"]
+    return "## Other benches\n\n" + (table(header, body) if body else "None yet.")
 
 
 def not_run_section(rows: list[dict]) -> str:
@@ -295,9 +672,10 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
                title=f"all_gather_into_tensor, {ag[0]['case']['world']} x {ag[0]['gpu']}")
         save(fig, "all_gather.png")
 
-    for bench, metric, ylabel, name in (("generate", "tokens_per_s", "tokens/s (all GPUs)", "generate.png"),
-                                        ("train_step", "seconds", "seconds per step", "train_step.png"),
-                                        ("switch", "seconds", "seconds", "switch.png")):
+    for bench, metric, ylabel, name, per_gpu in (
+            ("generate", "tokens_per_s", "tokens/s per GPU", "generate.png", True),
+            ("train_step", "seconds", "seconds per step", "train_step.png", False),
+            ("switch", "seconds", "seconds", "switch.png", False)):
         sel = [r for r in latest(rows, bench) if r["metric"] == metric]
         if not sel:
             continue
@@ -307,11 +685,13 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         for ax, model in zip(axes[0], models):
             mine = {_label(r): r for r in sel if r["model"] == model}
             names = [lab for lab in labels if lab in mine]
-            ax.bar(range(len(names)), [mine[n]["value"] for n in names],
-                   yerr=[[mine[n]["value"] - (mine[n]["p20"] or mine[n]["value"]) for n in names],
-                         [(mine[n]["p80"] or mine[n]["value"]) - mine[n]["value"] for n in names]])
+            div = [max(mine[n]["num_gpus"], 1) if per_gpu else 1 for n in names]
+            ax.bar(range(len(names)), [mine[n]["value"] / d for n, d in zip(names, div)],
+                   yerr=[[(mine[n]["value"] - (mine[n]["p20"] or mine[n]["value"])) / d for n, d in zip(names, div)],
+                         [((mine[n]["p80"] or mine[n]["value"]) - mine[n]["value"]) / d for n, d in zip(names, div)]])
             ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
             ax.set(title=f"{bench} {model}", ylabel=ylabel)
+        fig.suptitle("latest run per provider", fontsize=8)
         save(fig, name)
 
     seg = [r for r in latest(rows, "segment_copy") if r["metric"] == "GB_per_s"]
@@ -327,28 +707,186 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
             ax.set(xscale="log", xlabel="bytes copied (MiB)", ylabel="GB/s (read + write)", title=pattern)
             ax.legend(fontsize=7)
         save(fig, "segment_copy.png")
+
+    pa = [r for r in latest(rows, "paged_attention") if r["metric"] == "GB_per_s" and "context" in r["case"]]
+    if pa:
+        batches = sorted({r["case"].get("batch") for r in pa})
+        fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.4), squeeze=False)
+        hbm = {Floors(rows, r["run_id"]).hbm_GBps for r in pa} - {None}
+
+        def name(r: dict) -> str:
+            return r["provider"] + (f" {r['case']['split']}" if "split" in r["case"] else "")
+
+        colors = {n: f"C{i}" for i, n in enumerate(sorted({name(r) for r in pa}))}
+        for ax, batch in zip(axes[0], batches):
+            lines = defaultdict(list)
+            for r in pa:
+                if r["case"].get("batch") == batch:
+                    lines[name(r)].append((r["case"]["context"], r["value"]))
+            for n, pts in sorted(lines.items()):
+                ax.plot(*zip(*sorted(pts)), "o-", label=n, color=colors[n])
+            for i, h in enumerate(sorted(hbm)):
+                ax.axhline(h, color="grey", ls="--", lw=0.8, label="hbm_copy" if i == 0 else None)
+            ax.set(xscale="log", xlabel="context (tokens)", ylabel="GB/s (K + V read)",
+                   title=f"decode attention, batch {batch}")
+            ax.legend(fontsize=7)
+        save(fig, "paged_attention.png")
+
+    ppo = [r for r in latest(rows, "ppo_loss") if r["metric"] == "seconds" and not r["case"].get("sweep")]
+    if ppo:
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        for provider in [p for p in PPO_PROVIDERS if any(r["provider"] == p for r in ppo)]:
+            pts = sorted((r["case"]["tokens"], r["value"] * 1e3) for r in ppo if r["provider"] == provider)
+            ax.plot(*zip(*pts), "o-", label=provider)
+        ax.set(xscale="log", yscale="log", xlabel="M (tokens)", ylabel="ms (fwd + bwd)",
+               title=f"PPO loss over the LM head, {ppo[0]['gpu']}")
+        ax.legend(fontsize=7)
+        save(fig, "ppo_loss.png")
     return written
 
 
-def readme_section(rows: list[dict]) -> str:
-    """The short table for the README: one line per (model, bench, provider)."""
+def _where(r: dict, *others: dict | None) -> str:
+    """GPUs and run of r, plus the run of each other row measured elsewhere."""
+    out = f"{r['num_gpus']} x {r['gpu'].replace('NVIDIA ', '')}, {r['run_id']}"
+    extra = {(o["provider"], o["run_id"], o["num_gpus"]) for o in others if o is not None and o["run_id"] != r["run_id"]}
+    return out + "".join(f"; {p}: other run {rid} ({n} GPUs)" for p, rid, n in sorted(extra))
+
+
+def _headline_model(candidates: list[dict]) -> str | None:
+    models = {r["model"] for r in candidates}
+    return HEADLINE_MODEL if HEADLINE_MODEL in models else min(models - {None}, default=None)
+
+
+def _readme_rows(rows: list[dict]) -> list[list[str]]:
     body = []
-    for bench, metric, scale, unit, digits in (("switch", "seconds", 1e3, "ms", 1), ("generate", "tokens_per_s", 1, "tok/s", 0),
-                                               ("train_step", "seconds", 1, "s", 3)):
-        sel = latest(rows, bench)
-        for r in sel:
-            if r["metric"] != metric or _phase(r) == "release":
+
+    seg = [r for r in latest(rows, "segment_copy") if r["metric"] == "GB_per_s"]
+    for target in (64 * 2**20, 4 * 2**30):
+        near = [r for r in seg if abs(math.log(max(r["case"].get("bytes", 1), 1) / target)) < 0.01]
+        speeds = []
+        for r in near:
+            if r["provider"] == "hybridengine":
+                ref = pick(near, run_id=r["run_id"], provider="torch_copy", case_pattern=r["case"].get("pattern"))
+                speeds.append((r["case"].get("pattern"), r, ref))
+        speeds = [s for s in speeds if s[2]]
+        if not speeds:
+            continue
+        pattern, r, ref = next((s for s in speeds if s[0] == "layer_unpack"), speeds[0])
+        values = [s[1]["value"] / s[2]["value"] for s in speeds]
+        plural = "s" if len(speeds) > 1 else ""
+        body.append([f"Segment copy GB/s / `copy_` GB/s, {size(target)} ({pattern}; range over {len(speeds)} "
+                     f"table pattern{plural})",
+                     f"{sig(r['value'])} GB/s", f"{sig(ref['value'])} GB/s",
+                     f"{ratio(r['value'], ref['value'])} ({min(values):.2f}–{max(values):.2f})", "–", _where(r)])
+
+    sw = _switch_rows(rows)
+    model = _headline_model(sw)
+    for g in (r for r in sw if r["model"] == model):
+        tg, own = g["case"].get("tg"), in_run(rows, g["run_id"])
+        nccl = pick(own, bench="switch", provider="nccl", model=model, metric="seconds", case_tg=tg)
+        if nccl is not None:
+            body.append([f"Switch train->gen time / NCCL all-gather of the same {sig(g['case'].get('received_GB'))} GB "
+                         f"per rank, {model} tg={tg}", dur(g["value"]), dur(nccl["value"]),
+                         ratio(g["value"], nccl["value"]),
+                         f"<= {GOAL['switch_vs_nccl']}", _where(g)])
+        ds, _ = _switch_peer(rows, g, "deepspeed_zero3")
+        if ds is not None:
+            body.append([f"Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, {model} tg={tg}", dur(g["value"]),
+                         dur(ds["value"]), f"{ratio(ds['value'], g['value'])}x", f">= {GOAL['switch_vs_deepspeed']}x",
+                         _where(g, ds)])
+        if g["case"].get("received_GB") == 0:
+            back = pick(own, bench="switch", provider="hybridengine", model=model, metric="seconds", case_tg=tg,
+                        case_direction="gen_to_train")
+            body.append([f"Switch at tg={tg} (no bytes move), {model}: train->gen, gen->train", dur(g["value"]),
+                         dur(back and back["value"]), "–", "–", _where(g)])
+
+    ug = [r for r in latest(rows, "unit_gather") if r["provider"] == "hybridengine" and r["metric"] == "busbw_GB_per_s"]
+    model = _headline_model(ug)
+    for r in sorted((r for r in ug if r["model"] == model), key=lambda r: r["case"].get("tg", 0)):
+        nccl, _ = peer(rows, r["run_id"], bench="unit_gather", provider="nccl", model=model, metric="busbw_GB_per_s")
+        unpack = " + unpack" if r["case"].get("unpack") else ""
+        body.append([f"Unit gather busbw / NCCL all-gather busbw, {model} layer ({sig(r['case'].get('MB'))} MB), "
+                     f"tg={r['case'].get('tg')}{unpack}", f"{sig(r['value'])} GB/s",
+                     f"{sig(nccl and nccl['value'])} GB/s", ratio(r["value"], nccl and nccl["value"]),
+                     f">= {GOAL['unit_gather_vs_nccl']}", _where(r, nccl)])
+
+    pa = [r for r in latest(rows, "paged_attention") if r["metric"] == "seconds"]
+    for batch, context in ((128, 1024), (1, 16384)):
+        r = pick(pa, provider="hybridengine", case_split="auto", case_batch=batch, case_context=context)
+        if r is None:
+            continue
+        sdpa, _ = peer(rows, r["run_id"], bench="paged_attention", provider="sdpa_dense", model=r["model"],
+                       metric="seconds", case_batch=batch, case_context=context)
+        if sdpa is None:
+            continue
+        body.append([f"Decode attention speed vs dense SDPA (SDPA time / ours), B={batch}, context {context:,}",
+                     f"{dur(r['value'])} ({sig(_gbps(rows, r))} GB/s)",
+                     f"{dur(sdpa['value'])} ({sig(_gbps(rows, sdpa))} GB/s)",
+                     ratio(sdpa["value"], r["value"]), "–", _where(r, sdpa)])
+
+    ppo = [r for r in latest(rows, "ppo_loss") if r["metric"] == "seconds" and not r["case"].get("sweep")]
+    he = pick(ppo, provider="hybridengine", case_tokens=32768) or pick(ppo, provider="hybridengine")
+    if he is not None:
+        tokens = he["case"].get("tokens")
+        extra = twin(rows, he, "peak_GiB", source="torch", scope="extra")
+        for provider, what in (("torch_ref", "naive torch (full logits)"),
+                               ("torch_chunked", "chunked torch (checkpointed)")):
+            p, _ = peer(rows, he["run_id"], bench="ppo_loss", provider=provider, model=he["model"], metric="seconds",
+                        case_tokens=tokens, case_sweep=None)
+            if p is None:
                 continue
-            match = {"case_cache": "dynamic"} if bench == "generate" else {}
-            if bench == "switch":
-                match = {"case_phase": "gather"}
-            peer = pick(sel, provider=PEER[bench], model=r["model"], metric=metric, **match)
-            speed = ratio(peer and peer["value"], r["value"]) if metric == "seconds" else ratio(r["value"], peer and peer["value"])
-            body.append([r["model"], bench, _label(r), f"{fmt(r['value'] * scale, digits)} {unit}", speed,
-                         f"{r['num_gpus']} x {r['gpu']}"])
-    return (table(["model", "bench", "provider", "median", "speed vs peer", "GPUs"], body)
-            + "\n\nPeers: switch and train step vs fsdp2, generate vs hf_generate (dynamic cache). "
-              "Full tables, floors and plots: [bench/results/report.md](bench/results/report.md).")
+            p_extra = twin(rows, p, "peak_GiB", source="torch", scope="extra")
+            body.append([f"PPO loss fwd+bwd speed vs {what}, M={tokens // 1024}k (extra peak GiB)",
+                         f"{dur(he['value'])} ({sig(extra and extra['value'])} GiB)",
+                         f"{dur(p['value'])} ({sig(p_extra and p_extra['value'])} GiB)",
+                         f"{ratio(p['value'], he['value'])}x",
+                         "–", _where(he, p)])
+
+    gen = [r for r in latest(rows, "generate") if r["provider"] == "hybridengine" and r["metric"] == "tokens_per_s"]
+    r = pick(gen, case_case="rollout") or (gen[0] if gen else None)
+    if r is not None:
+        per_gpu = r["value"] / max(r["num_gpus"], 1)
+        for provider, match, label in (GENERATE_PEERS[1], GENERATE_PEERS[2]):
+            p, _ = _generate_peer(rows, r, provider, match)
+            if p is None:
+                continue
+            p_gpu = p["value"] / max(p["num_gpus"], 1)
+            body.append([f"Rollout tok/s per GPU / {label}, {r['model']}, {r['case'].get('batch_per_gpu')} prompts x "
+                         f"{r['case'].get('new_tokens')} new tokens per GPU", f"{sig(per_gpu)} tok/s",
+                         f"{sig(p_gpu)} tok/s", f"{ratio(per_gpu, p_gpu)}x", "–", _where(r, p)])
+        own = in_run(rows, r["run_id"])
+        step = pick(own, bench="decode_step", provider="hybridengine", model=r["model"], case_case=r["case"].get("case"))
+        floor = pick(own, bench="decode_step", provider="floor", model=r["model"], case_case=r["case"].get("case"))
+        if step and floor:
+            body.append([f"Decode step / its floor (weights + KV bytes at HBM bandwidth), {r['model']}, "
+                         f"{floor['case'].get('batch_per_gpu')} sequences", dur(step["value"]), dur(floor["value"]),
+                         ratio(step["value"], floor["value"]), f"<= {GOAL['decode_step_vs_floor']}", _where(r)])
+
+    tr = [r for r in latest(rows, "train_step") if r["metric"] == "seconds"]
+    model = _headline_model(tr)
+    fsdp, ours = pick(tr, provider="fsdp2", model=model), pick(tr, provider="hybridengine", model=model)
+    if ours is not None:
+        for provider, label in (("fsdp2", "FSDP2"), ("deepspeed_zero3", "DeepSpeed ZeRO-3")):
+            p, _ = peer(rows, ours["run_id"], bench="train_step", provider=provider, model=model, metric="seconds")
+            if p is not None:
+                body.append([f"Train step speed vs {label}, {model}, per GPU {ours['case'].get('batch_per_gpu')} x "
+                             f"{ours['case'].get('seq')} tokens", dur(ours["value"]), dur(p["value"]),
+                             f"{ratio(p['value'], ours['value'])}x", "–", _where(ours, p)])
+    elif fsdp is not None:
+        ds, _ = peer(rows, fsdp["run_id"], bench="train_step", provider="deepspeed_zero3", model=model, metric="seconds")
+        if ds is not None:
+            body.append([f"Train step, {model}, per GPU {fsdp['case'].get('batch_per_gpu')} x {fsdp['case'].get('seq')} "
+                         "tokens (peers only; no hybridengine train-step rows): FSDP2 speed vs DeepSpeed ZeRO-3",
+                         f"FSDP2 {dur(fsdp['value'])}", f"ZeRO-3 {dur(ds['value'])}",
+                         f"{ratio(ds['value'], fsdp['value'])}x", "–", _where(fsdp, ds)])
+    return body
+
+
+def readme_section(rows: list[dict]) -> str:
+    """The README's headline table: the key ratios, each with its GPUs and run."""
+    return (table(["measure", "value", "reference", "ratio", "goal", "GPUs, run"], _readme_rows(rows))
+            + "\n\nEach ratio comes from rows of one run unless the last column names another run for the reference. "
+              "Full tables, floors, peers, notes and plots: [bench/results/report.md](bench/results/report.md).")
 
 
 def update_readme(readme: Path, section: str) -> bool:
@@ -368,8 +906,9 @@ def report(rows_path: Path, out_dir: Path, readme: Path) -> Path:
     rows = load(rows_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     images = plots(rows, out_dir)
-    sections = [floors_section(rows), switch_section(rows), generate_section(rows), train_section(rows),
-                segment_copy_section(rows), other_section(rows), not_run_section(rows), runs_section(rows)]
+    sections = [floors_section(rows), switch_section(rows), unit_gather_section(rows), generate_section(rows),
+                train_section(rows), segment_copy_section(rows), paged_attention_section(rows), ppo_loss_section(rows),
+                other_section(rows), not_run_section(rows), runs_section(rows)]
     text = ("# Benchmark report\n\nGenerated by `python -m bench report` from "
             f"`{rows_path.name}` ({len(rows)} rows). " + __doc__.split("\n\n", 1)[1] + "\n"
             + "\n\n".join(sections) + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in images) + "\n")

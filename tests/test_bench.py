@@ -71,17 +71,58 @@ def synthetic_rows(path: Path) -> None:
     gen = {"batch_per_gpu": 64, "prompt": 128, "new_tokens": 128, "params": 7.6e9}
     rec.add("generate", "hf_generate", "qwen2-7b", {**gen, "cache": "dynamic"}, "tokens_per_s", [1800.0])
     rec.add("generate", "hf_generate", "qwen2-7b", {**gen, "cache": "dynamic"}, "seconds", [9.1])
-    rec.add("generate", "deepspeed_gather_once", "qwen2-7b", gen, "tokens_per_s", [900.0])
+    rec.add("generate", "deepspeed_gather_once", "qwen2-7b", {**gen, "timer_sync": True}, "tokens_per_s", [900.0])
     rec.not_run("generate", "deepspeed_hybrid_engine", "qwen2-7b", "no Qwen2 container")
     tr = {"batch_per_gpu": 4, "seq": 1024, "params": 7.6e9}
     rec.add("train_step", "fsdp2", "qwen2-7b", tr, "seconds", [0.5, 0.52])
     rec.add("train_step", "deepspeed_zero3", "qwen2-7b", tr, "seconds", [1.0])
-    # Rows of benches this report has no section for, or with other case keys, must not break it.
-    rec.add("switch", "hybridengine", "qwen2-7b", {"tg": 2, "direction": "train_to_gen"}, "seconds", [0.001])
-    rec.add("paged_attention", "torch_ref", "qwen2-7b", {"batch": 128, "context": 1024}, "GB_per_s", [3000.0])
+    # hybridengine's switch and unit gather, in the peers' run (ratios inside r1).
+    he = {"tg": 1, "dtype": "bf16", "gen_GB": 15.2, "received_GB": 7.6}
+    rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "train_to_gen"}, "seconds", [0.0315])
+    rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "gen_to_train"}, "seconds", [0.007])
+    rec.add("switch", "hybridengine", "qwen2-7b", {**he, "model_over_tg_GiB": 14.2, "source": "nvml"}, "peak_GiB", 16.3)
+    rec.add("switch_memory", "hybridengine", "qwen2-7b", {**he, "before_GiB": 7.1}, "peak_GiB", 7.1)
+    rec.add("switch", "nccl", "qwen2-7b", {"tg": 1, "direction": "train_to_gen"}, "seconds", [0.025])
+    tg2 = {"tg": 2, "received_GB": 0.0}
+    rec.add("switch", "hybridengine", "qwen2-7b", {**tg2, "direction": "train_to_gen"}, "seconds", [2.4e-5])
+    rec.add("switch", "hybridengine", "qwen2-7b", {**tg2, "direction": "gen_to_train"}, "seconds", [2.8e-5])
+    unit = {"unit": "layers.0", "MB": 470.0}
+    rec.add("unit_gather", "hybridengine", "qwen2-7b", {**unit, "tg": 1, "unpack": False}, "seconds", [0.00105])
+    rec.add("unit_gather", "hybridengine", "qwen2-7b", {**unit, "tg": 1, "unpack": False}, "busbw_GB_per_s", [225.0])
+    rec.add("unit_gather", "nccl", "qwen2-7b", unit, "seconds", [0.001])
+    rec.add("unit_gather", "nccl", "qwen2-7b", unit, "busbw_GB_per_s", [250.0])
+    rec.add("unit_gather", "fsdp2", "qwen2-7b", {"unit": "layers.0"}, "seconds", [0.0021])
     seg = {"bytes": 2**30, "pattern": "layer_unpack", "rows": 10}
     rec.add("segment_copy", "torch_copy", None, seg, "GB_per_s", [4000.0])
     rec.add("segment_copy", "hybridengine", None, seg, "GB_per_s", [3000.0])
+    seg = {"bytes": 2**26, "pattern": "layer_unpack", "rows": 5}
+    rec.add("segment_copy", "torch_copy", None, seg, "GB_per_s", [3300.0])
+    rec.add("segment_copy", "hybridengine", None, seg, "GB_per_s", [2805.0])
+    # A later one-GPU run: generation, decode attention, PPO loss; its generate peers are in r1 (another run).
+    rec = Recorder(path=path, run_id="r2", gpu="NVIDIA H200", num_gpus=1, commit="abd", versions={})
+    rec.add("hbm_copy", "torch_copy", None, {"bytes": 2**32}, "GB_per_s", [4000.0])
+    rec.add("gemm", "torch_matmul", None, {"m": 8192, "n": 8192, "k": 8192}, "TFLOP_per_s", [800.0])
+    ours = {"case": "rollout", "tg": 1, "samples": 1, "batch_per_gpu": 64, "prompt": 128, "new_tokens": 128}
+    rec.add("generate", "hybridengine", "qwen2-7b", ours, "tokens_per_s", [2700.0])
+    rec.add("decode_step", "hybridengine", "qwen2-7b", ours, "seconds", 0.006)
+    rec.add("decode_step", "floor", "qwen2-7b", {"case": "rollout", "batch_per_gpu": 64, "mean_context": 192,
+                                                "hbm_GBps": 4210.0, "weights_GiB": 14.2}, "seconds", 0.004)
+    pa = {"batch": 128, "context": 1024, "kv_bytes": 2**28}
+    rec.add("paged_attention", "hybridengine", "qwen2-7b", {**pa, "split": "auto", "num_partitions": 1}, "seconds", [8e-5])
+    rec.add("paged_attention", "hybridengine", "qwen2-7b", {**pa, "split": "auto", "num_partitions": 1}, "GB_per_s",
+            [2**28 / 8e-5 / 1e9])
+    rec.add("paged_attention", "sdpa_dense", "qwen2-7b", pa, "seconds", [1e-4])
+    rec.add("paged_attention", "sdpa_dense", "qwen2-7b", pa, "GB_per_s", [2**28 / 1e-4 / 1e9])
+    ppo = {"tokens": 32768, "seq": 1024}
+    for provider, case, secs, extra in (("hybridengine", {**ppo, "chunk_rows": 3328}, 0.2, 2.0),
+                                        ("torch_ref", ppo, 0.3, 90.0), ("torch_chunked", ppo, 0.5, 4.0),
+                                        ("hybridengine", {**ppo, "chunk_rows": 1024, "sweep": True}, 0.25, 1.5)):
+        rec.add("ppo_loss", provider, "qwen2-7b", case, "seconds", [secs])
+        rec.add("ppo_loss", provider, "qwen2-7b", case, "TFLOP_per_s", [400.0 * 0.2 / secs])
+        rec.add("ppo_loss", provider, "qwen2-7b", {**case, "source": "torch", "scope": "extra"}, "peak_GiB", extra)
+    rec.not_run("ppo_loss", "liger", "qwen2-7b", "liger_kernel is not installed", **ppo)
+    # Rows of benches this report has no section for must not break it.
+    rec.add("new_bench", "torch_ref", None, {"size": 3}, "seconds", [2.5e-6])
 
 
 def test_report_from_synthetic_rows(tmp_path, capsys):
@@ -92,24 +133,51 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
     text = report(rows, tmp_path / "out", readme).read_text()
-    for heading in ("## Floors", "## Train -> generate switch", "## Rollout generation", "## Train step",
-                    "## Segment copy", "## Not run", "## Runs"):
+    for heading in ("## Floors", "## Train -> generate switch", "## Unit gather", "## Rollout generation",
+                    "## Train step", "## Segment copy", "## Paged decode attention", "## PPO / GRPO loss",
+                    "## Other benches", "## Not run", "## Runs"):
         assert heading in text
     # Ratios inside run r1: floor 6 * 7.6e9 * 4096 / 790 TFLOP/s = 0.236 s; fsdp2 0.51 s / 1.0 s = 0.51.
     assert "| qwen2-7b | deepspeed_zero3 | 1.000 (1.000–1.000) | – | 0.236 | 0.24 | 0.51 |" in text
     # 7.6 GB / 263 GB/s (the best all-gather median) = 28.9 ms; fsdp2 52.5 ms / 47.25 ms = 1.11.
     assert "| qwen2-7b | deepspeed_zero3 (phase=gather, tg=1) | 47.2 (45.9–48.6) | 7.60 | 28.9 | 0.61 | 1.11 |" in text
     assert "| layer_unpack | 1 GiB | 10 | hybridengine | 3,000 (3,000–3,000) | 0.73 | 0.75 |" in text
-    assert "| qwen2-7b | deepspeed_gather_once | 900 (900–900) | – | 32,997 | 0.03 | 0.50 |" in text
+    assert "| qwen2-7b | deepspeed_gather_once (timer_sync=True) | 900 (900–900) | – | 32,997 | 0.03 | 0.50 |" in text
     assert "no Qwen2 container" in text
-    assert "| qwen2-7b | hybridengine (direction=train_to_gen, tg=2) | 1.0 (1.0–1.0) | – | – | – | 52.50 |" in text
-    assert "| paged_attention | qwen2-7b | torch_ref | batch=128, context=1024 | GB_per_s | 3,000.0 (3,000.0–3,000.0) | r1 |" in text
+    # Switch, all in r1: 31.5 ms / NCCL 25 ms = 1.26; ZeRO-3 47.25 ms / 31.5 = 1.50; FSDP2 52.5 / 31.5 = 1.67.
+    assert ("| qwen2-7b | 1 | 31.5 ms (31.5–31.5) | 7.00 ms (7.00–7.00) | 7.60 | – | 25.0 ms (25.0–25.0) | 1.26 | 1.50 | "
+            "1.67 | 16.3 (14.2) | 7.10 → 7.10 | r1 |") in text
+    assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | 0 | – | no bytes move | – | – | – |" in text
+    # Unit gather: 225 / 250 GB/s = 0.90; FSDP2 2.1 ms / 1.05 ms = 2.00.
+    assert "| qwen2-7b | 470 | hybridengine tg=1 | 1.05 ms (1.05–1.05) | 225 | 0.90 | 2.00 | r1 |" in text
+    # Generate: one GPU at 2,700 tok/s vs the peers' per-GPU rates of run r1 (2 GPUs), marked as another run.
+    assert ("| qwen2-7b | rollout (n=1) | 64 x 128 | 2,700 (2,700–2,700) | 1 | 2,700 | 6.00 ms | 4.00 ms [1] | 1.50 | "
+            "3.00 [2] | – | 6.00 [3] | – | r2 |") in text
+    assert "[2] other run: hf_generate qwen2-7b from run r1 (2 x NVIDIA H200), not from run r2." in text
+    # Decode attention: 80 us vs SDPA 100 us = 1.25; 3,355 GB/s / 4,000 GB/s HBM copy = 0.84.
+    assert "| 128 | 1,024 | 256 MiB | 80.0 (1) | 3,355 | – | – | 100 | 2,684 | – | – | 1.25 | 0.84 |" in text
+    # PPO loss: 200 ms, 400 TFLOP/s = 0.50 of the 800 GEMM; 1.50x vs torch_ref, 2.50x vs torch_chunked.
+    assert "| 32,768 | hybridengine | 3,328 | 200 (200–200) | 400 | 0.50 | 2.00 | 1.50 | 2.50 | r2 |" in text
+    assert "| 32,768 | liger | – | not run [1] |" in text and "[1] liger: liger_kernel is not installed" in text
+    assert "| 32,768 | 1,024 | 250 (250–250) | 320 | 1.50 | 0.80 | r2 |" in text
+    assert "| new_bench | – | torch_ref | size=3 | seconds | 2.50 us (2.50–2.50) | r2 |" in text
     if importlib.util.find_spec("matplotlib"):
         assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == [
-            "all_gather.png", "generate.png", "segment_copy.png", "switch.png", "train_step.png"]
+            "all_gather.png", "generate.png", "paged_attention.png", "ppo_loss.png", "segment_copy.png", "switch.png",
+            "train_step.png"]
     new = readme.read_text()
     assert "old table" not in new and new.startswith("# x\n\nbefore\n" + BEGIN) and new.endswith(END + "\nafter\n")
-    assert "deepspeed_gather_once" in new
+    for line in ("| Switch train->gen time / NCCL all-gather of the same 7.60 GB per rank, qwen2-7b tg=1 | 31.5 ms | "
+                 "25.0 ms | 1.26 | <= 1.15 | 2 x H200, r1 |",
+                 "| Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, qwen2-7b tg=1 | 31.5 ms | 47.2 ms | 1.50x |",
+                 "| Segment copy GB/s / `copy_` GB/s, 64 MiB (layer_unpack; range over 1 table pattern) | 2,805 GB/s | "
+                 "3,300 GB/s | 0.85 (0.85–0.85) | – | 2 x H200, r1 |",
+                 "| Rollout tok/s per GPU / DeepSpeed gather-once, qwen2-7b, 64 prompts x 128 new tokens per GPU | "
+                 "2,700 tok/s | 450 tok/s | 6.00x | – | 1 x H200, r2; deepspeed_gather_once: other run r1 (2 GPUs) |",
+                 "| Decode step / its floor (weights + KV bytes at HBM bandwidth), qwen2-7b, 64 sequences | 6.00 ms | "
+                 "4.00 ms | 1.50 | <= 1.5 | 1 x H200, r2 |",
+                 "| 200 ms (2.00 GiB) | 300 ms (90.0 GiB) | 1.50x | – | 1 x H200, r2 |"):
+        assert line in new, line
 
 
 def test_readme_without_markers_is_left_alone(tmp_path, capsys):
