@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import floors, generate, paged_attention, peers, ppo_loss, segment_copy, switch
+from . import floors, generate, paged_attention, peers, ppo_loss, segment_copy, switch, train
 from .common import Ctx, Recorder, release_memory
 
 BENCHES = {
@@ -31,6 +31,7 @@ BENCHES = {
     "generate": generate.generate,
     "paged_attention": paged_attention.paged_attention,
     "ppo_loss": ppo_loss.ppo_loss,
+    "train_step": train.train_step,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
 # Each suite fits one device call of < 10 minutes on nvidia-h200-x2 (one model per call for the peers).
@@ -47,6 +48,7 @@ SUITES: dict[str, list[str]] = {
     "generate": ["hbm_copy", "generate"],
     "paged_attention": ["hbm_copy", "paged_attention"],
     "ppo_loss": ["gemm", "ppo_loss"],
+    "train_step": ["gemm", "train_step"],
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"]}
 

@@ -1,0 +1,39 @@
+"""hybridengine train step (the `hybridengine` provider of bench `train_step`): one PPO optimizer
+step on the shared buffer, per GPU 4 x 1024 tokens (the peers' workload) and a packed
+variable-length batch of the same token count. Activation checkpointing is always on in the
+engine (every layer recomputed in backward); the case says so, since the peer rows of the
+baselines suite ran with it off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import Ctx, record_train
+
+
+def train_step(ctx: Ctx) -> None:
+    import hybridengine as he
+
+    if not ctx.cuda:
+        ctx.rec.not_run("train_step", "hybridengine", None, "GPU only")
+        return
+    w = ctx.work
+    tokens = w.train_batch * w.train_seq
+    for model in ctx.models:
+        cfg = he.model_config(model)
+        engine = he.HybridEngine(cfg, he.EngineConfig(dtype=torch.bfloat16, device=str(ctx.device)))
+        g = torch.Generator().manual_seed(100 + ctx.rank)
+        layouts = {"dense": [w.train_seq] * w.train_batch,
+                   "packed": [tokens // 8, tokens * 3 // 8, tokens // 4, tokens // 4]}
+        for name, lengths in layouts.items():
+            ids = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+            batch = he.PPOBatch(input_ids=ids, response_mask=[torch.ones(n - 1) for n in lengths],
+                                old_logprobs=[-5 + 0.1 * torch.randn(n - 1, generator=g) for n in lengths],
+                                advantages=[torch.randn(n - 1, generator=g) for n in lengths])
+            ppo = he.PPOConfig(micro_batch_tokens=tokens, lr=1e-6, max_grad_norm=1.0)
+            with ctx.peak() as pm:
+                times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5,
+                                    desc=f"train_step {name}")
+            record_train(ctx, "hybridengine", model, times, pm, layout=name, activation_checkpointing=True)
+        del engine
