@@ -489,11 +489,16 @@ def train_section(rows: list[dict]) -> str:
         p, _ = peer(rows, r["run_id"], bench="train_step", provider=PEER["train_step"], model=r["model"],
                        metric="seconds")
         torch_peak, nvml_peak = _peaks(sel, r)
-        body.append([r["model"], r["provider"], spread(r, 1, 3), fmt(tok and tok["value"]), fmt(floor, 3),
+        label = r["provider"]
+        if "layout" in r["case"]:
+            ac = "on" if r["case"].get("activation_checkpointing") else "off"
+            label += f" ({r['case']['layout']}, activation checkpointing {ac})"
+        body.append([r["model"], label, spread(r, 1, 3), fmt(tok and tok["value"]), fmt(floor, 3),
                      ratio(floor, r["value"]),
                      ratio(p and p["value"], r["value"]) + notes.other_run(p, r["run_id"]),
                      torch_peak, nvml_peak])
-    return ("## Train step (per GPU: 4 x 1024 tokens, fwd + bwd + AdamW, no activation checkpointing)\n\n"
+    return ("## Train step (per GPU: 4 x 1024 tokens, fwd + bwd + AdamW; the peers without activation "
+            "checkpointing, hybridengine with it: it recomputes every layer in backward)\n\n"
             + table(["model", "provider", "s (p20–p80)", "tok/s", "floor s", "of floor", f"speed vs {PEER['train_step']}",
                      "peak GiB torch", "peak GiB nvml"], body) + str(notes))
 
@@ -863,14 +868,16 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          ratio(step["value"], floor["value"]), f"<= {GOAL['decode_step_vs_floor']}", _where(r)])
 
     tr = [r for r in latest(rows, "train_step") if r["metric"] == "seconds"]
-    model = _headline_model(tr)
-    fsdp, ours = pick(tr, provider="fsdp2", model=model), pick(tr, provider="hybridengine", model=model)
+    model = _headline_model([r for r in tr if r["provider"] == "hybridengine"]) or _headline_model(tr)
+    dense = [r for r in tr if r["case"].get("layout", "dense") == "dense"]
+    fsdp, ours = pick(dense, provider="fsdp2", model=model), pick(dense, provider="hybridengine", model=model)
     if ours is not None:
         for provider, label in (("fsdp2", "FSDP2"), ("deepspeed_zero3", "DeepSpeed ZeRO-3")):
             p, _ = peer(rows, ours["run_id"], bench="train_step", provider=provider, model=model, metric="seconds")
             if p is not None:
                 body.append([f"Train step speed vs {label}, {model}, per GPU {ours['case'].get('batch_per_gpu')} x "
-                             f"{ours['case'].get('seq')} tokens", dur(ours["value"]), dur(p["value"]),
+                             f"{ours['case'].get('seq')} tokens (ours with activation checkpointing, peer without)",
+                             dur(ours["value"]), dur(p["value"]),
                              f"{ratio(p['value'], ours['value'])}x", "–", _where(ours, p)])
     elif fsdp is not None:
         ds, _ = peer(rows, fsdp["run_id"], bench="train_step", provider="deepspeed_zero3", model=model, metric="seconds")
