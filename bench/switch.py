@@ -8,11 +8,10 @@ Rows: bench `switch` (train_to_gen / gen_to_train, per tg), `unit_gather` (one d
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from hybridengine.sharded import _all_gather
 
 from .common import GiB, Ctx, quantiles
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _specs(model: str):

@@ -31,7 +31,7 @@ from torch.func import functional_call
 from .model import CausalLM, ModelConfig, rope_cos_sin
 from .sharded import ShardedBuffer
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,14 +59,22 @@ class PPOConfig:
     eps: float = 1e-8
 
     def __post_init__(self):
-        if self.loss_agg not in LOSS_AGGS:
-            raise ValueError(f"PPOConfig.loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        from .ppo_loss import _LossConfig
+
+        try:  # the loss knobs are validated where the loss defines them
+            _LossConfig(**{name: getattr(self, name) for name in LOSS_FIELDS})
+        except ValueError as e:
+            raise ValueError(f"PPOConfig.{e}") from None
         if self.micro_batch_tokens < 1:
             raise ValueError(f"PPOConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"PPOConfig.max_grad_norm must be None or > 0, got {self.max_grad_norm}")
         if self.temperature <= 0:
             raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature}")
+
+    def loss_kwargs(self) -> dict:
+        """The keyword arguments of `ppo_loss` this config sets."""
+        return {name: getattr(self, name) for name in (*LOSS_FIELDS, "temperature")}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -367,11 +375,8 @@ class Trainer:
             fields = dict(old_logprobs=zeros, advantages=zeros, response_mask=zeros,
                           ref_logprobs=zeros if batch.ref_logprobs is not None else None)
             targets = torch.zeros(1, width, dtype=torch.long, device=self.device)
-        loss, metrics = ppo_loss(
-            hidden, head_w, targets, fields["old_logprobs"], fields["advantages"], fields["response_mask"],
-            temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
-            ref_logprobs=fields["ref_logprobs"], kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-            entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg)
+        loss, metrics = ppo_loss(hidden, head_w, targets, fields["old_logprobs"], fields["advantages"],
+                                 fields["response_mask"], ref_logprobs=fields["ref_logprobs"], **cfg.loss_kwargs())
         # Data parallel: the global loss is the mean of the ranks' losses.
         (loss * (weight / self.sharded.world_size)).backward()
         grad_x = x.grad
