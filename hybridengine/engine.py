@@ -9,6 +9,7 @@ the cache and switches back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -86,7 +87,12 @@ class RequestOutput:
 class HybridEngine:
     """Owns the parameter buffer, the KV cache and (later) the optimizer of one model."""
 
-    def __init__(self, source, config: EngineConfig | None = None):
+    def __init__(self, source, config: EngineConfig | None = None, *, role: str = "actor"):
+        """role: 'actor' (LM head: rollout, log_probs, ppo_step) or 'critic' (a scalar value head
+        `score.weight` on the same backbone, freshly initialised: values, value_step)."""
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
+        self.role = role
         self.config = config = config if config is not None else EngineConfig()
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -111,15 +117,26 @@ class HybridEngine:
         # Alone, the full model is built on the target device; sharded, each rank builds it on the CPU
         # and keeps only its shards.
         full = load_model(source, dtype=cfg.dtype, device=self.device if self.world_size == 1 else "cpu", seed=cfg.seed)
+        params = {n: p.detach() for n, p in full.named_parameters()}
         self.model_config = full.config
-        specs = full.flat_buffer.layout.specs
+        if self.role == "critic":
+            self.model_config = dataclasses.replace(full.config, value_head=True)
+            critic = CausalLM(self.model_config, dtype=cfg.dtype, device="meta")
+            gen = torch.Generator().manual_seed(cfg.seed + 1)
+            params = {n: params[n] for n, _ in critic.named_parameters() if n in params}
+            params["score.weight"] = (torch.randn(1, full.config.hidden_size, generator=gen)
+                                      * full.config.initializer_range).to(cfg.dtype)
+            full = critic
+        specs = CausalLM(self.model_config, dtype=cfg.dtype, device="meta").flat_buffer.layout.specs
         self.sharded = ShardedBuffer(specs, dtype=cfg.dtype, device=self.device, tp_size=cfg.tp_generation)
-        self.sharded.load_({n: p.detach() for n, p in full.named_parameters()})
+        self.sharded.load_(params)
         buffer = FlatParamBuffer(self.sharded.layout, dtype=cfg.dtype, rank=self.rank, data=self.sharded.gen.data)
         tp = cfg.tp_generation
-        self.vocab_size = full.config.vocab_size
-        model = CausalLM(local_config(full.config, tp), buffer=buffer)
-        del full
+        self.vocab_size = self.model_config.vocab_size
+        del full, params
+        if self.role == "critic":
+            return CausalLM(self.model_config, buffer=buffer) if tp == 1 else CausalLM(self.model_config, device="meta")
+        model = CausalLM(local_config(self.model_config, tp), buffer=buffer)
         return parallelize(model, vocab_size=self.vocab_size, tp_rank=self.sharded.tp_rank, tp_size=tp,
                            group=self.sharded.tp_group)
 
@@ -144,6 +161,17 @@ class HybridEngine:
         """[B, max_len - 1] log-probs of batch's target tokens (fused over the LM head, no grad)."""
         return self._trainer().log_probs(batch, temperature=temperature, return_entropy=return_entropy)
 
+    def values(self, batch) -> torch.Tensor:
+        """Critic: [B, max_len - 1] values at the positions of batch's target tokens (no grad)."""
+        return self._trainer().values(batch)
+
+    def value_step(self, batch, config=None) -> dict:
+        """Critic: one optimizer step with `he.value_loss` (batch.old_values, batch.returns, response_mask)."""
+        from .training import ValueConfig
+
+        config = config if config is not None else ValueConfig()
+        return self._trainer(config).value_step(batch, config)
+
     def ppo_step(self, batch, config=None) -> dict:
         """One PPO/GRPO optimizer step on this rank's batch: returns loss, metrics, grad_norm, lr, step_s."""
         from .training import PPOConfig
@@ -156,6 +184,8 @@ class HybridEngine:
     @contextlib.contextmanager
     def rollout(self):
         """Generation view + KV cache for the duration of the block; both released on exit."""
+        if self.role == "critic":
+            raise RuntimeError("rollout() needs an actor engine; this one is a critic")
         if self._runner is not None:
             raise RuntimeError("rollout() is already active")
         t0 = time.perf_counter()

@@ -88,6 +88,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     """True: the LM head is the embedding matrix; the buffer has no lm_head.weight."""
+    value_head: bool = False
+    """A critic: a scalar head `score.weight` [1, hidden] (HF token-classification name) replaces the LM head."""
     qkv_bias: bool = False
     """q/k/v projections have biases (Qwen2; Llama/Qwen3 with attention_bias)."""
     o_bias: bool = False
@@ -349,7 +351,9 @@ class CausalLM(nn.Module):
         self.config = config
         # Parameters are declared on the meta device (shapes only), then rebound to buffer views.
         self.model = Decoder(config)
-        self.lm_head = None if config.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size, False)
+        self.lm_head = None if config.tie_word_embeddings or config.value_head else \
+            _linear(config.hidden_size, config.vocab_size, False)
+        self.score = _linear(config.hidden_size, 1, False) if config.value_head else None
         shapes = [(name, tuple(p.shape)) for name, p in self.named_parameters()]
         if buffer is None:
             buffer = FlatParamBuffer(param_specs(shapes, config.head_dim), dtype=dtype, device=device)
@@ -401,7 +405,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] in the model dtype (as HF)."""
+        if self.config.value_head:
+            raise RuntimeError("this model is a critic (value_head=True): it has no LM head; use compute_values")
         return F.linear(hidden, self.lm_head_weight)
+
+    def compute_values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> values [...] (critic models)."""
+        return F.linear(hidden, self.score.weight).squeeze(-1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.compute_logits(self.hidden_states(input_ids, position_ids))

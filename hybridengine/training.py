@@ -78,6 +78,32 @@ class PPOConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ValueConfig:
+    """One critic optimizer step with `he.value_loss`."""
+
+    clip: float | None = 0.2
+    """Value clipping around old_values; None: off."""
+    loss_agg: str = "token-mean"
+    micro_batch_tokens: int = 16384
+    max_grad_norm: float | None = 1.0
+    lr: float | Callable[[int], float] = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+            raise ValueError(f"ValueConfig.loss_agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, "
+                             f"got {self.loss_agg!r}")
+        if self.clip is not None and self.clip <= 0:
+            raise ValueError(f"ValueConfig.clip must be None or > 0, got {self.clip}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"ValueConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"ValueConfig.max_grad_norm must be None or > 0, got {self.max_grad_norm}")
+
+
+@dataclass(kw_only=True, slots=True)
 class PPOBatch:
     """Variable-length sequences (prompt + response) and per-target-token training data.
 
@@ -91,6 +117,10 @@ class PPOBatch:
     old_logprobs: list[torch.Tensor] | None = None
     advantages: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    old_values: list[torch.Tensor] | None = None
+    """Critic: the values at rollout time (for value clipping)."""
+    returns: list[torch.Tensor] | None = None
+    """Critic: the regression targets (e.g. from `algos.gae`)."""
 
     def __post_init__(self):
         if not self.input_ids:
@@ -99,7 +129,7 @@ class PPOBatch:
         for b, ids in enumerate(self.input_ids):
             if ids.numel() < 2:
                 raise ValueError(f"PPOBatch.input_ids[{b}] has {ids.numel()} tokens; at least 2 are needed")
-        for name in ("response_mask", "old_logprobs", "advantages", "ref_logprobs"):
+        for name in ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "old_values", "returns"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -198,8 +228,9 @@ class Trainer:
         self.skeleton = CausalLM(config, dtype=self.dtype, device="meta")
         self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)
         self.units = {u.name: i for i, u in enumerate(self.layout.units)}
-        self.tied = config.tie_word_embeddings
-        self.head_name = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+        self.critic = config.value_head
+        self.tied = config.tie_word_embeddings and not self.critic
+        self.head_name = "score.weight" if self.critic else "model.embed_tokens.weight" if self.tied else "lm_head.weight"
         self.grads = [torch.zeros(u.shard_numel, dtype=torch.float32, device=self.device) for u in self.layout.units]
         self._decay, self._replicated = self._masks()
         self._opt_config = optimizer_config or PPOConfig()
@@ -301,6 +332,8 @@ class Trainer:
         """[B, max_len - 1] log-probs of the target tokens (zero past each sequence); entropy optional."""
         from .ppo_loss import token_logprobs
 
+        if self.critic:
+            raise ValueError("log_probs() needs an actor engine; this one is a critic (use values)")
         width = max(batch.lengths) - 1
         logp = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
         ent = torch.zeros_like(logp) if return_entropy else None
@@ -322,13 +355,60 @@ class Trainer:
         return (logp, ent) if return_entropy else logp
 
     def ppo_step(self, batch: PPOBatch, cfg: PPOConfig) -> dict:
-        """One optimizer step on this rank's batch; returns loss, metrics, grad_norm, lr, timings."""
+        """One optimizer step of the policy on this rank's batch; returns loss, metrics, grad_norm, lr, timings."""
         from .ppo_loss import ppo_loss
 
+        if self.critic:
+            raise ValueError("ppo_step is for the actor; this engine is a critic (use value_step)")
         if batch.response_mask is None or batch.old_logprobs is None or batch.advantages is None:
             raise ValueError("ppo_step needs batch.response_mask, batch.old_logprobs and batch.advantages")
         if cfg.kl_coef and batch.ref_logprobs is None:
             raise ValueError("PPOConfig.kl_coef > 0 needs batch.ref_logprobs")
+
+        def head_loss(h, head_w, rows, cu):
+            hidden = self._unpack(h, cu)
+            width = hidden.shape[1]
+            f = self._fields(batch, rows, width, ("old_logprobs", "advantages", "response_mask", "ref_logprobs"))
+            targets = self._targets(batch, rows, width) if rows else \
+                torch.zeros(1, width, dtype=torch.long, device=self.device)
+            return ppo_loss(hidden, head_w, targets, f["old_logprobs"], f["advantages"], f["response_mask"],
+                            ref_logprobs=f["ref_logprobs"], **cfg.loss_kwargs())
+
+        return self._step(batch, cfg, head_loss)
+
+    def value_step(self, batch: PPOBatch, cfg: ValueConfig) -> dict:
+        """One optimizer step of the critic (`he.value_loss`) on this rank's batch."""
+        from .ppo_loss import value_loss
+
+        if not self.critic:
+            raise ValueError("value_step needs a critic engine (HybridEngine(..., role='critic'))")
+        if batch.response_mask is None or batch.old_values is None or batch.returns is None:
+            raise ValueError("value_step needs batch.response_mask, batch.old_values and batch.returns")
+
+        def head_loss(h, head_w, rows, cu):
+            values = self._unpack(F.linear(h, head_w).squeeze(-1), cu)
+            f = self._fields(batch, rows, values.shape[1], ("old_values", "returns", "response_mask"))
+            loss = value_loss(values, f["old_values"], f["returns"], f["response_mask"], clip=cfg.clip,
+                              loss_agg=cfg.loss_agg)
+            mask = f["response_mask"]
+            vpred = (values.float() * mask).sum() / mask.sum().clamp(min=1)
+            return loss, {"vf_loss": loss.detach(), "vpred_mean": vpred.detach()}
+
+        return self._step(batch, cfg, head_loss)
+
+    def _fields(self, batch: PPOBatch, rows: list[int], width: int, names) -> dict:
+        """Padded [B, width] fields; the dummy row of an empty micro-batch is all zeros (fully masked)."""
+        out = {}
+        for name in names:
+            if getattr(batch, name) is None:
+                out[name] = None
+            elif rows:
+                out[name] = batch.padded(name, rows, width, self.device)
+            else:
+                out[name] = torch.zeros(1, width, device=self.device)
+        return out
+
+    def _step(self, batch: PPOBatch, cfg, head_loss) -> dict:
         t0 = time.perf_counter()
         self.sharded.clear_prefetch()
         for g in self.grads:
@@ -343,7 +423,7 @@ class Trainer:
             share = [sum(live[b] for b in rows) / max(sum(live), 1) for rows in groups]
         totals: dict[str, float] = {}
         for rows, w in zip(groups, share):
-            stats = self._micro_step(batch, rows, cfg, w, ppo_loss)
+            stats = self._micro_step(batch, rows, w, head_loss)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + w * v
         grad_norm = self._clip_and_step(cfg)
@@ -352,7 +432,7 @@ class Trainer:
                       micro_batches=len(groups), step_s=time.perf_counter() - t0)
         return totals
 
-    def _micro_step(self, batch: PPOBatch, rows: list[int], cfg: PPOConfig, weight: float, ppo_loss) -> dict:
+    def _micro_step(self, batch: PPOBatch, rows: list[int], weight: float, head_loss) -> dict:
         ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
         with torch.no_grad():
             x_last, inputs = self._forward_layers(ids, cos, sin, attn, keep_inputs=True)
@@ -360,23 +440,10 @@ class Trainer:
         head_u, embed_u = self.units["head"], self.units["embed"]
         natural_head = self.sharded.gather_unit(head_u)
         norm_w = self.layout.natural_view(natural_head, "model.norm.weight").detach().requires_grad_(True)
-        natural_embed = self.sharded.gather_unit(embed_u) if self.tied else None
-        head_src = natural_embed if self.tied else natural_head
+        head_src = self.sharded.gather_unit(embed_u) if self.tied else natural_head
         head_w = self.layout.natural_view(head_src, self.head_name).detach().requires_grad_(True)
         x = x_last.detach().requires_grad_(True)
-        hidden = self._unpack(self._norm(norm_w, x), cu)
-        width = hidden.shape[1]
-        if rows:
-            fields = {name: batch.padded(name, rows, width, self.device) if getattr(batch, name) is not None else None
-                      for name in ("old_logprobs", "advantages", "response_mask", "ref_logprobs")}
-            targets = self._targets(batch, rows, width)
-        else:  # the dummy sequence of an empty micro-batch: fully masked, so loss 0 and zero gradients
-            zeros = torch.zeros(1, width, device=self.device)
-            fields = dict(old_logprobs=zeros, advantages=zeros, response_mask=zeros,
-                          ref_logprobs=zeros if batch.ref_logprobs is not None else None)
-            targets = torch.zeros(1, width, dtype=torch.long, device=self.device)
-        loss, metrics = ppo_loss(hidden, head_w, targets, fields["old_logprobs"], fields["advantages"],
-                                 fields["response_mask"], ref_logprobs=fields["ref_logprobs"], **cfg.loss_kwargs())
+        loss, metrics = head_loss(self._norm(norm_w, x), head_w, rows, cu)
         # Data parallel: the global loss is the mean of the ranks' losses.
         (loss * (weight / self.sharded.world_size)).backward()
         grad_x = x.grad
@@ -410,6 +477,25 @@ class Trainer:
             g_embed += embed_grad
         self._reduce(embed_u, {"model.embed_tokens.weight": g_embed})
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+    @torch.no_grad()
+    def values(self, batch: PPOBatch, *, micro_batch_tokens: int = 16384) -> torch.Tensor:
+        """Critic: [B, max_len - 1] values at the positions of the target tokens (zero past each sequence)."""
+        if not self.critic:
+            raise ValueError("values() needs a critic engine (HybridEngine(..., role='critic'))")
+        width = max(batch.lengths) - 1
+        out = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
+        for rows in _plan_micro_batches(batch.lengths, micro_batch_tokens, self.sharded.group):
+            ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
+            x, _ = self._forward_layers(ids, cos, sin, attn, keep_inputs=False)
+            norm_w, head_w = self._head_weights()
+            if not rows:
+                continue
+            v = self._unpack(F.linear(self._norm(norm_w, x), head_w).squeeze(-1), cu)
+            for i, b in enumerate(rows):
+                n = batch.lengths[b] - 1
+                out[b, :n] = v[i, :n].float()
+        return out
 
     def _reduce(self, u: int, grads: dict[str, torch.Tensor]) -> None:
         """Natural-layout fp32 gradients of unit u -> summed over ranks into this rank's grad shard."""

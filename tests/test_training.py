@@ -231,3 +231,50 @@ def test_data_parallel_matches_torch_reference(world, tp):
     while not errors.empty():
         messages.append(errors.get())
     assert not messages, "\n".join(messages)
+
+
+def test_critic_matches_torch_reference():
+    """role='critic': a value head on the backbone; values() and value_step() against plain torch."""
+    hf = build("tiny-llama")
+    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=64), role="critic")
+    score0 = full_weights(engine)["score.weight"]
+    backbone = copy.deepcopy(hf.model).train()
+    score = torch.nn.Parameter(score0.clone())
+    params = list(backbone.parameters()) + [score]
+    decay = [p for p in params if p.dim() >= 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.01),
+                             dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)], lr=1e-3)
+    cfg = he.ValueConfig(clip=0.2, lr=1e-3, weight_decay=0.01, micro_batch_tokens=20, max_grad_norm=0.5)
+    g = torch.Generator().manual_seed(11)
+    for step in range(3):
+        lengths = [7, 12, 5]
+        ids = [torch.randint(0, hf.config.vocab_size, (n,), generator=g) for n in lengths]
+        mask = [torch.ones(n - 1) for n in lengths]
+        mask[1][:4] = 0
+        old = [torch.randn(n - 1, generator=g) * 0.1 for n in lengths]
+        ret = [torch.randn(n - 1, generator=g) for n in lengths]
+        batch = he.PPOBatch(input_ids=ids, response_mask=mask, old_values=old, returns=ret)
+        if step == 0:
+            with torch.no_grad():
+                ref_v = [(backbone(s[None]).last_hidden_state[0, :-1] @ score.T).squeeze(-1) for s in ids]
+            torch.testing.assert_close(engine.values(batch), pad(ref_v, 11), rtol=1e-5, atol=1e-6)
+        stats = engine.value_step(batch, cfg)
+        opt.zero_grad()
+        values = torch.nn.utils.rnn.pad_sequence(
+            [(backbone(s[None]).last_hidden_state[0, :-1] @ score.T).squeeze(-1) for s in ids], batch_first=True)
+        loss = he.value_loss(values, pad(old, 11), pad(ret, 11), pad(mask, 11), clip=0.2)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        torch.testing.assert_close(torch.tensor(stats["loss"], dtype=torch.float64), loss.detach().double(), rtol=1e-5, atol=1e-6)
+    weights = full_weights(engine)
+    torch.testing.assert_close(weights["score.weight"], score.detach(), rtol=1e-5, atol=1e-5)
+    for name, p in backbone.named_parameters():
+        torch.testing.assert_close(weights["model." + name], p.detach(), rtol=1e-5, atol=CFG["lr"] * 3 * 1e-3)
+    with pytest.raises(ValueError, match="needs an actor engine"):
+        engine.log_probs(batch)
+    with pytest.raises(RuntimeError, match="rollout\\(\\) needs an actor engine"):
+        with engine.rollout():
+            pass
+    with pytest.raises(ValueError, match="role must be 'actor' or 'critic'"):
+        he.HybridEngine(hf, role="reward")
