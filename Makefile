@@ -1,5 +1,5 @@
 # make setup : a venv in .venv with torch (CPU wheel here) and hybridengine built in place
-# make demo  : set up, then run the main job
+# make demo  : set up, then run the main job (the example GRPO trainer on a tiny model; ~1 min on CPU)
 # make test  : set up, then run the test suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*)
 	touch $@
 
 demo: setup
-	$(BIN)/hybridengine demo
+	$(BIN)/hybridengine grpo --out grpo_out
 
 test: setup
 	$(BIN)/python -m pytest -q tests

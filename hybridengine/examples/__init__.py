@@ -1,0 +1,1 @@
+"""Example trainers built on HybridEngine (a trainer author's starting points)."""
