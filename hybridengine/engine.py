@@ -26,6 +26,22 @@ from .tp import local_config, parallelize
 from .scheduler import BlockManager, Scheduler, Sequence
 
 
+def _hf_config_dict(source) -> dict | None:
+    """The transformers config of the source as a dict (for export_hf), or None for a ModelConfig."""
+    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+    if isinstance(source, PreTrainedModel):
+        return source.config.to_dict()
+    if isinstance(source, PretrainedConfig):
+        return source.to_dict()
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        try:
+            return AutoConfig.from_pretrained(source, local_files_only=True).to_dict()
+        except (OSError, ValueError):
+            return None  # load_model raises the real error
+    return None
+
+
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """How the engine holds the model and runs rollout."""
@@ -116,6 +132,7 @@ class HybridEngine:
         cfg = self.config
         # Alone, the full model is built on the target device; sharded, each rank builds it on the CPU
         # and keeps only its shards.
+        self.hf_config = _hf_config_dict(source)
         full = load_model(source, dtype=cfg.dtype, device=self.device if self.world_size == 1 else "cpu", seed=cfg.seed)
         params = {n: p.detach() for n, p in full.named_parameters()}
         self.model_config = full.config
@@ -145,6 +162,51 @@ class HybridEngine:
             return None
         self._tp_src = dist.get_global_rank(self.sharded.tp_group, 0)
         return self.sharded.tp_group
+
+    # -- checkpoints and memory -----------------------------------------------------------------------
+
+    def save(self, path) -> None:
+        """Sharded state (weights, optimizer, step, RNG, config) to a folder, atomically; every rank calls it."""
+        from .checkpoint import save
+
+        save(self, path)
+
+    @classmethod
+    def load(cls, path, config: EngineConfig | None = None) -> "HybridEngine":
+        """An engine restored from `save`, at this process's world size (and `config`'s TP degree)."""
+        from .checkpoint import load
+
+        return load(path, config=config)
+
+    def export_hf(self, path) -> None:
+        """config.json + model.safetensors for transformers' from_pretrained (rank 0 writes)."""
+        from .checkpoint import export_hf
+
+        export_hf(self, path)
+
+    def memory_report(self) -> dict[str, float]:
+        """GiB on this rank: parameters (G mapped), optimizer state, gradients, KV cache; torch and NVML totals."""
+        gib = 2**30
+        rep = dict(parameters_mapped=self.sharded.gen.mapped_bytes() / gib,
+                   parameters_shard=self.sharded.layout.shard_numel * self.sharded.layout.element_size / gib)
+        if self._training is not None:
+            opt = self._training.optimizer
+            tensors = opt.exp_avg + opt.exp_avg_sq + (opt.master or [])
+            rep["optimizer"] = sum(t.numel() * t.element_size() for t in tensors) / gib
+            rep["gradients"] = sum(g.numel() * g.element_size() for g in self._training.grads) / gib
+        rep["kv_cache"] = self._runner.kv.nbytes() / gib if self._runner is not None else 0.0
+        if self.device.type == "cuda":
+            rep["torch_allocated"] = torch.cuda.memory_allocated(self.device) / gib
+            rep["torch_peak"] = torch.cuda.max_memory_allocated(self.device) / gib
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                handle = pynvml.nvmlDeviceGetHandleByIndex(self.device.index or 0)
+                rep["nvml_device_used"] = pynvml.nvmlDeviceGetMemoryInfo(handle).used / gib
+            except Exception:  # noqa: BLE001 - NVML is optional; the torch numbers stand
+                pass
+        return rep
 
     # -- training -------------------------------------------------------------------------------------
 
