@@ -48,7 +48,7 @@ def switch(ctx: Ctx) -> None:
         specs, _ = _specs(model)
         for tp in [d for d in (1, 2, 4, 8) if ctx.world % d == 0]:
             case = dict(tg=tp, dtype="bf16")
-            with ctx.peak() as pm_build:
+            with ctx.peak():
                 buf = ShardedBuffer(specs, dtype=dtype, device=ctx.device, tp_size=tp)
                 for s in buf.shard_views():
                     s.normal_()

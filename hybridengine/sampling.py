@@ -67,7 +67,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     Sampling is by the exponential race (argmax p / E, E ~ Exp(1)), exact for any distribution.
     """
     logits = logits.float()
-    B = logits.shape[0]
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, 1.0, temps)[:, None]

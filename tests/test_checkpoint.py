@@ -1,17 +1,17 @@
 """Checkpoints: bitwise resume, atomic save, export to transformers, load at another world size."""
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
 from hybridengine import checkpoint
 from hybridengine.checkpoint import full_state_dict
+
+from _dist import spawn
 
 
 def build(name="tiny-qwen2", **overrides):
@@ -161,23 +161,11 @@ def _load_at(rank, world, init_file, tp, path, errors):
         dist.destroy_process_group()
 
 
-def _spawn(fn, world, *args):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(fn, args=(world, os.path.join(tmp, "store"), *args, errors), nprocs=world,
-                           start_method="spawn", join=True)
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    assert not messages, "\n".join(messages)
-
-
 def test_checkpoint_from_two_ranks_loads_at_one_and_four(tmp_path):
     path = str(tmp_path / "ck")
-    _spawn(_save_at, 2, 2, path)                      # saved at N = 2, tg = 2
+    spawn(_save_at, 2, 2, path)                      # saved at N = 2, tg = 2
     expected = torch.load(tmp_path / "expected.pt", weights_only=False)
     _check_load(he.HybridEngine.load(path, he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=64)),
                 expected)                              # N = 1
-    _spawn(_load_at, 4, 4, path)                      # N = 4, tg = 4
-    _spawn(_load_at, 4, 1, path)                      # N = 4, tg = 1
+    spawn(_load_at, 4, 4, path)                      # N = 4, tg = 4
+    spawn(_load_at, 4, 1, path)                      # N = 4, tg = 1

@@ -1,15 +1,13 @@
 """Generation on the sharded buffer over gloo: N = 2 and 4 with tg in {1, 2, 4} equals one process."""
 
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
+from _dist import spawn
 
 PROMPT_LENS = [3, 9, 17, 6]
 
@@ -62,12 +60,4 @@ def _worker(rank, world, init_file, name, tp, expected, errors):
 def test_sharded_generation_equals_single_process(name, world, tp):
     hf = build(name)
     expected = run(he.HybridEngine(hf, config(1)), hf.config.vocab_size)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), name, tp, expected, errors),
-                           nprocs=world, start_method="spawn", join=True)
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    assert not messages, "\n".join(messages)
+    spawn(_worker, world, name, tp, expected)

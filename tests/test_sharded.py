@@ -2,16 +2,15 @@
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hybridengine import ops
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _dist import spawn  # noqa: E402
 from _models import MODELS, model_specs, reference_tp_slice  # noqa: E402
 
 pytestmark = pytest.mark.skipif(ops.EXTENSION_ERROR is not None, reason="hybridengine._C is not built")
@@ -121,30 +120,18 @@ def _mismatch(rank, world_size, init_file, errors):
         dist.destroy_process_group()
 
 
-def _spawn(fn, world_size, *args):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(fn, args=(world_size, os.path.join(tmp, "store"), *args, errors), nprocs=world_size,
-                           start_method="spawn", join=True)
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    assert not messages, "\n".join(messages)
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_switch_gathers_and_reduce_scatter(world_size):
     model = "odd-hidden" if world_size != 4 else "gqa-untied"
-    _spawn(_check_world, world_size, model, torch.float32)
+    spawn(_check_world, world_size, model, torch.float32)
 
 
 def test_bf16_two_ranks():
-    _spawn(_check_world, 2, "tied-no-bias", torch.bfloat16)
+    spawn(_check_world, 2, "tied-no-bias", torch.bfloat16)
 
 
 def test_mismatched_layouts_raise_on_every_rank():
-    _spawn(_mismatch, 2)
+    spawn(_mismatch, 2)
 
 
 def test_without_torch_distributed_one_rank_alone():

@@ -5,15 +5,14 @@ import copy
 import json
 import os
 import pathlib
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
+from _dist import spawn
 from _models import reference_tp_slice
 
 # hybridengine.ppo_loss the attribute is the function; the module holds the reference.
@@ -222,15 +221,7 @@ def test_data_parallel_matches_torch_reference(world, tp):
     hf = build(**overrides)
     batches = make_batches(hf, world)
     ref_losses, ref_weights = reference_run(hf, batches)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tp, overrides, batches, ref_losses,
-                                          ref_weights, errors), nprocs=world, start_method="spawn", join=True)
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    assert not messages, "\n".join(messages)
+    spawn(_worker, world, tp, overrides, batches, ref_losses, ref_weights)
 
 
 def test_critic_matches_torch_reference():
