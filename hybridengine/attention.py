@@ -45,6 +45,17 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # argument checks
 
 
+def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """A new output shaped like q, or the caller's `out` checked for q's shape, dtype and device."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _check_tensor("out", out, dtypes=(q.dtype,), device=q.device)
+    _check_shape("out", out, q.shape, "the shape of q")
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
+    return out
+
+
 def _check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -321,13 +332,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                          f"got {max_context_len!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= DECODE_MAX_SPLITS):
         raise ValueError(f"num_splits must be None or an int in [1, {DECODE_MAX_SPLITS}], got {num_splits!r}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    else:
-        _check_tensor("out", out, dtypes=(q.dtype,), device=q.device)
-        _check_shape("out", out, q.shape, "the shape of q")
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
+    out = _output(out, q)
     if batch == 0:
         return out
 
@@ -529,13 +534,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.T
     _, group, block_size = _check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, k_cache, v_cache,
                                                block_tables, sliding_window, max_seqlen_q, max_seqlen_k,
                                                reference=False)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    else:
-        _check_tensor("out", out, dtypes=(q.dtype,), device=q.device)
-        _check_shape("out", out, q.shape, "the shape of q")
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
+    out = _output(out, q)
     batch, num_q_heads, head_dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
         return out

@@ -134,16 +134,12 @@ class HybridEngine:
         # and keeps only its shards.
         self.hf_config = _hf_config_dict(source)
         full = load_model(source, dtype=cfg.dtype, device=self.device if self.world_size == 1 else "cpu", seed=cfg.seed)
-        params = {n: p.detach() for n, p in full.named_parameters()}
-        self.model_config = full.config
-        if self.role == "critic":
-            self.model_config = dataclasses.replace(full.config, value_head=True)
-            critic = CausalLM(self.model_config, dtype=cfg.dtype, device="meta")
+        params = {n: p.detach() for n, p in full.named_parameters()}  # load_ reads only the specs' names
+        self.model_config = dataclasses.replace(full.config, value_head=True) if self.role == "critic" else full.config
+        if self.role == "critic":  # the backbone's weights plus a fresh value head
             gen = torch.Generator().manual_seed(cfg.seed + 1)
-            params = {n: params[n] for n, _ in critic.named_parameters() if n in params}
             params["score.weight"] = (torch.randn(1, full.config.hidden_size, generator=gen)
                                       * full.config.initializer_range).to(cfg.dtype)
-            full = critic
         specs = CausalLM(self.model_config, dtype=cfg.dtype, device="meta").flat_buffer.layout.specs
         self.sharded = ShardedBuffer(specs, dtype=cfg.dtype, device=self.device, tp_size=cfg.tp_generation)
         self.sharded.load_(params)

@@ -35,19 +35,10 @@ LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator
 
 
 @dataclass(kw_only=True, slots=True)
-class PPOConfig:
-    """One PPO/GRPO optimizer step (names as in verl where they exist)."""
+class _StepConfig:
+    """What every optimizer step takes: micro-batching, clipping and AdamW."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_ratio_c: float | None = None
-    """Dual-clip bound (> 1) for negative advantages; None: off."""
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
-    temperature: float = 1.0
-    """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
     micro_batch_tokens: int = 16384
     """Most tokens in one forward/backward (gradients accumulate over micro-batches)."""
     max_grad_norm: float | None = 1.0
@@ -58,17 +49,39 @@ class PPOConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
+    def _check_step(self, name: str) -> None:
+        from .ppo_loss import LOSS_AGGS
+
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"{name}.loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"{name}.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"{name}.max_grad_norm must be None or > 0, got {self.max_grad_norm}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PPOConfig(_StepConfig):
+    """One PPO/GRPO optimizer step (names as in verl where they exist)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    """Dual-clip bound (> 1) for negative advantages; None: off."""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
+
     def __post_init__(self):
         from .ppo_loss import _LossConfig
 
+        self._check_step("PPOConfig")
         try:  # the loss knobs are validated where the loss defines them
             _LossConfig(**{name: getattr(self, name) for name in LOSS_FIELDS})
         except ValueError as e:
             raise ValueError(f"PPOConfig.{e}") from None
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"PPOConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"PPOConfig.max_grad_norm must be None or > 0, got {self.max_grad_norm}")
         if self.temperature <= 0:
             raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature}")
 
@@ -78,29 +91,17 @@ class PPOConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ValueConfig:
+class ValueConfig(_StepConfig):
     """One critic optimizer step with `he.value_loss`."""
 
     clip: float | None = 0.2
     """Value clipping around old_values; None: off."""
-    loss_agg: str = "token-mean"
-    micro_batch_tokens: int = 16384
-    max_grad_norm: float | None = 1.0
     lr: float | Callable[[int], float] = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
 
     def __post_init__(self):
-        if self.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-            raise ValueError(f"ValueConfig.loss_agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, "
-                             f"got {self.loss_agg!r}")
+        self._check_step("ValueConfig")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"ValueConfig.clip must be None or > 0, got {self.clip}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"ValueConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"ValueConfig.max_grad_norm must be None or > 0, got {self.max_grad_norm}")
 
 
 @dataclass(kw_only=True, slots=True)
