@@ -177,3 +177,61 @@ def paged_attention(ctx: Ctx) -> None:
                     f"{nbytes / quantiles(times)[1] / 1e9:,.0f} GB/s")
         del q, dense_k, dense_v, k_cache, v_cache, tables, lens, runs, expected
         release_memory()
+
+
+SWEEP_CASES = ((1, 16384), (16, 4096), (16, 16384), (128, 1024), (128, 4096))
+SWEEP_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+SWEEP_SPLIT_FACTORS = (1, 2, 4)
+"""Multiples of the automatic split count tried where the automatic plan splits."""
+
+
+def paged_attention_sweep(ctx: Ctx) -> None:
+    """Launch-config sweep of the Triton decode kernel (tile BLOCK_N, warps, pipeline stages, split
+    count) on the cases that decide the defaults; rows carry case sweep=True. GPU only."""
+    from hybridengine import attention
+
+    if not ctx.cuda:
+        ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "sweep: GPU only", sweep=True)
+        return
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=ctx.device)
+    scale = HEAD_DIM**-0.5
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    for batch, context in SWEEP_CASES:
+        nbytes = kv_bytes(batch, context)
+        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
+        dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
+                                        device=ctx.device, generator=g) for _ in range(2))
+        k_cache, v_cache, tables, lens = paged_cache(batch, context, ctx.device, dense_k, dense_v)
+        expected = F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale,
+                                                  enable_gqa=True)[:, :, 0]
+        auto = attention.decode_num_splits(batch, NUM_KV_HEADS, context, attention.num_sms(ctx.device))
+        factors = SWEEP_SPLIT_FACTORS if auto > 1 else (1,)
+        best = None
+        for config in SWEEP_CONFIGS:
+            for factor in factors:
+                splits = min(auto * factor, attention.DECODE_MAX_SPLITS, max(1, context // config["BLOCK_N"]))
+                parts = attention.decode_partitions(context, splits, config["BLOCK_N"])[0]
+                case = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS,
+                            head_dim=HEAD_DIM, dtype="bf16", kv_bytes=nbytes, block_size=BLOCK_SIZE, sweep=True,
+                            split=f"{factor}x_auto", num_partitions=parts, **config)
+
+                def fn(splits=splits, config=config):
+                    return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                                   num_splits=splits, max_context_len=context,
+                                                                   config=config)
+                try:
+                    _check(f"sweep {config}", fn(), expected)
+                    times = cold_times(ctx, fn, warmup=3, repeats=20, flush=flush)
+                except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is a row
+                    ctx.rec.not_run("paged_attention", "hybridengine", MODEL,
+                                    f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
+                    continue
+                ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
+                median = quantiles(times)[1]
+                if best is None or median < best[0]:
+                    best = (median, config, parts)
+        if best:
+            ctx.log(f"paged_attention sweep B={batch} ctx={context}: best {best[0] * 1e6:.1f} us "
+                    f"({nbytes / best[0] / 1e9:,.0f} GB/s) with {best[1]}, {best[2]} partitions")
+        del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected
+        release_memory()

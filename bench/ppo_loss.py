@@ -12,7 +12,8 @@ gradients of hidden and weight included (their size is in the case as grads_GiB)
 
 Providers:
 - hybridengine: `ppo_loss` (cuBLAS chunk GEMMs + Triton row kernels, 6*M*H*V flops), with the
-  default chunk, and at M = 32k a sweep of the chunk size (case chunk_rows) to set LOGITS_CHUNK_BYTES;
+  default chunk (sized so that gradients + chunk stay within LOSS_MEMORY_BYTES = 2 GiB), and at
+  M = 32k and 128k a sweep of the chunk size (case chunk_rows, sweep) that shows what the target costs;
 - torch_ref: `ppo_loss_ref`, the full [M, V] logits (not run where ~16 B per logit cannot fit);
 - torch_chunked: the reference per sequence under activation checkpointing (the backward recomputes
   the logits: 8*M*H*V);
@@ -37,8 +38,7 @@ CPU_HEAD = dict(hidden=64, vocab=1000)
 CPU_TOKENS = (256, 1024)
 SEQ_GPU, SEQ_CPU = 1024, 128
 LOSS = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_estimator="k3", loss_agg="token-mean")
-CHUNK_SWEEP_TOKENS = 32768
-CHUNK_SWEEP = (1024, 2048, 4096, 8192)
+CHUNK_SWEEP = {32768: (1024, 2048, 4096, 8192), 131072: (256, 1024, 3456)}
 NAIVE_BYTES_PER_LOGIT = 16
 """torch_ref's peak extra per logit: 75 GiB at M = 32k, V = 152k (DESIGN.md). Used to skip M where it cannot fit."""
 SECONDS_PER_PROVIDER = 15.0
@@ -178,9 +178,9 @@ def ppo_loss(ctx: Ctx) -> None:
     for tokens in GPU_TOKENS if ctx.cuda else CPU_TOKENS:
         x = make_inputs(ctx, tokens, H, V, seq)
         flops = 6.0 * tokens * H * V
-        chunk = P._chunk_rows(tokens, V, 2)
-        case = dict(tokens=tokens, seq=seq, hidden=H, vocab=V, dtype="bf16",
-                    grads_GiB=round((tokens * H + V * H) * 2 / GiB, 3))
+        grads = (tokens * H + V * H) * 2
+        chunk = P._chunk_rows(tokens, V, 2, grads)
+        case = dict(tokens=tokens, seq=seq, hidden=H, vocab=V, dtype="bf16", grads_GiB=round(grads / GiB, 3))
         medians = {}
         he_path = "triton" if ctx.cuda else "reference (cpu)"
         medians["hybridengine"] = measure(ctx, "hybridengine", step_hybridengine, x,
@@ -198,8 +198,8 @@ def ppo_loss(ctx: Ctx) -> None:
             ctx.rec.not_run(BENCH, "liger", model, f"LigerFusedLinearGRPOLoss unavailable: {liger_error}", **case)
         else:
             medians["liger"] = measure(ctx, "liger", liger, x, case, flops, model)
-        if ctx.cuda and tokens == CHUNK_SWEEP_TOKENS:
-            for rows in CHUNK_SWEEP:
+        if ctx.cuda:
+            for rows in CHUNK_SWEEP.get(tokens, ()):
                 measure(ctx, "hybridengine", lambda x, rows=rows: step_hybridengine(x, rows), x,
                         {**case, "chunk_rows": rows, "path": "triton", "sweep": True}, flops, model)
         ours = medians["hybridengine"]

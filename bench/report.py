@@ -44,14 +44,16 @@ def load(path: Path) -> list[dict]:
 
 
 def latest(rows: list[dict], bench: str) -> list[dict]:
-    """Rows of `bench` from the latest run that measured each (model, provider)."""
+    """Rows of `bench` from the latest run that measured each (model, provider); a run of tuning-sweep
+    rows alone (case sweep) does not displace the latest regular run."""
     groups = defaultdict(list)
     for r in rows:
         if r["bench"] == bench:
             groups[(r["model"], r["provider"])].append(r)
     out = []
     for group in groups.values():
-        last = max(group, key=lambda r: r["time"])["run_id"]
+        regular = [r for r in group if not r["case"].get("sweep")] or group
+        last = max(regular, key=lambda r: r["time"])["run_id"]
         out += [r for r in group if r["run_id"] == last]
     return out
 

@@ -30,6 +30,7 @@ BENCHES = {
     "unit_gather": switch.unit_gather,
     "generate": generate.generate,
     "paged_attention": paged_attention.paged_attention,
+    "paged_attention_sweep": paged_attention.paged_attention_sweep,
     "ppo_loss": ppo_loss.ppo_loss,
     "train_step": train.train_step,
 }
@@ -47,6 +48,7 @@ SUITES: dict[str, list[str]] = {
     "switch": ["all_gather", "switch", "unit_gather"],
     "generate": ["hbm_copy", "generate"],
     "paged_attention": ["hbm_copy", "paged_attention"],
+    "paged_attention_sweep": ["hbm_copy", "paged_attention_sweep"],
     "ppo_loss": ["gemm", "ppo_loss"],
     "train_step": ["gemm", "train_step"],
 }

@@ -315,8 +315,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
                                   sliding_window: int | None = None, num_splits: int | None = None,
                                   max_context_len: int | None = None,
-                                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """`paged_decode_attention` with the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
+                                  out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """`paged_decode_attention` with the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages): the
+    tuning sweep of bench/paged_attention.py uses it."""
     import triton
 
     from hybridengine.kernels.paged_attention import paged_decode_kernel, paged_decode_reduce_kernel
@@ -337,9 +340,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         return out
 
     cfg = _decode_config(q.device, head_dim)
+    unknown = set(config or {}) - set(cfg)
+    if unknown:
+        raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")
+    cfg.update(config or {})
     block_n = cfg.pop("BLOCK_N")
-    num_partitions, partition_size = decode_partition_plan(batch, num_kv_heads, head_dim, max_context_len,
-                                                           q.device, num_splits)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
+    num_partitions, partition_size = decode_partitions(max_context_len, num_splits, block_n)
     split = num_partitions > 1
     block_d = triton.next_power_of_2(head_dim)
     if split:

@@ -19,7 +19,8 @@ its own logits row and the aggregation weights, which come from the mask alone).
 
 Total 6*M*H*V flops (the floor for forward + backward) and 6 bytes per logit of elementwise
 traffic in bf16. Memory beyond the inputs: one [C, V] logits chunk, grad_W (weight's dtype),
-grad_h, and O(M) fp32 vectors. The backward only scales the saved gradients by grad_output.
+grad_h, and O(M) fp32 vectors; C is sized so that all of it stays within LOSS_MEMORY_BYTES (2 GiB)
+where the gradients leave room. The backward only scales the saved gradients by grad_output.
 Masked-out tokens are never computed (their loss terms and gradients are zero): with 40% padding
 the op costs 60% of the flops. One host sync per call validates targets and mask and counts tokens.
 
@@ -48,11 +49,20 @@ METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 LOGITS_CHUNK_BYTES = 2**30
-"""Budget of the one [C, V] logits chunk. At V = 152064 bf16 it gives C <= 3530 tokens: a GEMM of
-2*C*H*V = 3.8 TFLOP per chunk (~5 ms, long enough for cuBLAS to run at its peak), and the grad_W
-read-modify-write of the beta = 1 GEMM (2 x 1.09 GB per chunk, ~0.5 ms at 4.2 TB/s) stays near 10%
-of the chunk. Halving it halves the memory and doubles that overhead. Not yet measured on the GPU:
-bench/ppo_loss.py sweeps C at M = 32k."""
+"""Upper bound on the one [C, V] logits chunk. At V = 152064 bf16 it allows C <= 3530 tokens; measured
+on an H200 at M = 32k (bench/results, chunk sweep): 1024 rows 187 ms, 2048 rows 179 ms, 3328 rows
+173 ms, 8192 rows 169 ms per fwd+bwd: past ~2k rows a larger chunk buys little."""
+LOSS_MEMORY_BYTES = 2 * 2**30
+"""Target for the op's peak extra memory: the gradients it returns (grad_hidden [M, H], grad_weight
+[V, H], fp32 grad_bias) plus the logits chunk. The chunk gets what the gradients leave, between
+MIN_CHUNK_ROWS rows and LOGITS_CHUNK_BYTES: at H = 3584, V = 152064 bf16 the gradients are 1.07 GiB
+at M = 8k (chunk capped at 1 GiB), 1.23 GiB at 32k (chunk ~0.76 GiB) and 1.89 GiB at 128k (chunk
+~0.1 GiB = 384 rows). Where the gradients alone exceed the target, the chunk stays at MIN_CHUNK_ROWS."""
+MIN_CHUNK_ROWS = 256
+"""Below this the grad_weight read-modify-write of each chunk's beta = 1 GEMM (2 x V x H x 2 bytes)
+outweighs its 2 x C x H x V flops."""
+WORKSPACE_BYTES_PER_ROW = 64
+"""The O(M) fp32 vectors (stats, weights, PPO coefficients) reserved out of LOSS_MEMORY_BYTES per row."""
 CHUNK_ALIGN = 128
 """Chunk rows are a multiple of this (GEMM tile height) except for the last."""
 
@@ -351,15 +361,26 @@ def _check_policy(op, hidden, weight, bias, targets, old_logprobs, advantages, m
 # the fused path
 
 
-def _chunk_rows(num_rows: int, vocab: int, element_size: int) -> int:
-    """Rows per chunk: at most the largest multiple of CHUNK_ALIGN within LOGITS_CHUNK_BYTES, evened
-    out over the chunks so the last is not a sliver (M = 8192 at V = 152k bf16: 2816 + 2816 + 2560,
-    not 3456 + 3456 + 1280)."""
-    cap = max(CHUNK_ALIGN, LOGITS_CHUNK_BYTES // (vocab * element_size) // CHUNK_ALIGN * CHUNK_ALIGN)
+def _chunk_rows(num_rows: int, vocab: int, element_size: int, grad_bytes: int = 0) -> int:
+    """Rows per chunk: the largest multiple of CHUNK_ALIGN whose [C, V] chunk fits both
+    LOGITS_CHUNK_BYTES and what `grad_bytes` (the gradients the call returns) leave of
+    LOSS_MEMORY_BYTES, at least MIN_CHUNK_ROWS; then evened out over the chunks so the last is not
+    a sliver (M = 8192 at V = 152k bf16: 2816 + 2816 + 2560, not 3456 + 3456 + 1280)."""
+    row_bytes = vocab * element_size
+    left = LOSS_MEMORY_BYTES - grad_bytes - WORKSPACE_BYTES_PER_ROW * num_rows
+    budget = min(LOGITS_CHUNK_BYTES, max(left, MIN_CHUNK_ROWS * row_bytes))
+    cap = max(CHUNK_ALIGN, budget // row_bytes // CHUNK_ALIGN * CHUNK_ALIGN)
     if num_rows <= cap:
         return max(num_rows, 1)
     per_chunk = -(-num_rows // -(-num_rows // cap))
     return min(cap, -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN)
+
+
+def _grad_bytes(hidden: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool, bool]) -> int:
+    """Bytes of the gradients a fused call allocates: grad_hidden [B * T, H], grad_weight, fp32 grad_bias."""
+    need_h, need_w, need_b = needs
+    return (need_h * hidden.shape[0] * hidden.shape[1] * hidden.shape[2] * hidden.element_size()
+            + need_w * weight.numel() * weight.element_size() + need_b * weight.shape[0] * 4)
 
 
 def _kernels():
@@ -370,7 +391,7 @@ def _kernels():
 
 def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                rows: torch.Tensor | None, *, temperature: float, coefs=None, grad_hidden=None, grad_weight=None,
-               grad_bias=None, chunk_rows: int | None = None, block_v: int | None = None):
+               grad_bias=None, chunk_rows: int | None = None, block_v: int | None = None, grad_bytes: int = 0):
     """One pass over the LM head, chunk by chunk, never holding more than one [C, V] logits chunk.
 
     hidden [B, T, H] (any strides: a [:, -T:] slice of the prompt+response states is read chunk by
@@ -392,7 +413,7 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     stats = tuple(torch.empty(num, dtype=torch.float32, device=device) for _ in range(3))
     if num == 0:
         return stats
-    chunk = chunk_rows or _chunk_rows(num, vocab, hidden.element_size())
+    chunk = chunk_rows or _chunk_rows(num, vocab, hidden.element_size(), grad_bytes)
     buffer = torch.empty(min(chunk, num), vocab, dtype=hidden.dtype, device=device)
     inv_t = 1.0 / temperature
     for start in range(0, num, chunk):
@@ -467,7 +488,8 @@ class _FusedPolicyLoss(torch.autograd.Function):
         grad_h, grad_w, grad_b = _grad_buffers(hidden, weight, bias, needs, rows)
         _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1).long(), rows, temperature=temperature,
                                       coefs=coefs if any(needs) else None, grad_hidden=grad_h, grad_weight=grad_w,
-                                      grad_bias=grad_b, chunk_rows=chunk_rows, block_v=block_v)
+                                      grad_bias=grad_b, chunk_rows=chunk_rows, block_v=block_v,
+                                      grad_bytes=_grad_bytes(hidden, weight, needs))
         loss, metrics = _policy_loss(_scatter(logp, rows, B, T), _scatter(entropy, rows, B, T), old_logprobs,
                                      advantages, mask_bool, ref_logprobs, cfg)
         ctx.hidden_shape = hidden.shape
@@ -536,7 +558,8 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         grad_h, grad_w, grad_b = _grad_buffers(hidden, weight, bias, needs, None)
         _head_pass(hidden, weight, bias, targets.reshape(-1), None, temperature=temperature,
                    coefs=lambda s, e, *_: (g_logp[s:e], g_ent[s:e]), grad_hidden=grad_h, grad_weight=grad_w,
-                   grad_bias=grad_b, chunk_rows=chunk_rows, block_v=block_v)
+                   grad_bias=grad_b, chunk_rows=chunk_rows, block_v=block_v,
+                   grad_bytes=_grad_bytes(hidden, weight, needs))
         if grad_h is not None:
             grad_h = grad_h.view(B, T, H)
         if grad_b is not None:

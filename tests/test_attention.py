@@ -245,6 +245,13 @@ def test_paged_decode_padding_rows_and_max_context_len(device):
     assert A.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=0.125, out=out) is out
 
 
+def test_paged_decode_config_override(device):
+    """The tuning override (tile, warps, stages) changes the launch, not the result; partitions follow its tile."""
+    inputs = decode_inputs(7, 1, 64, 16, [70, 33, 5], torch.bfloat16, device)
+    for config in (dict(BLOCK_N=16, num_warps=2), dict(BLOCK_N=64, num_stages=2)):
+        check_decode(*inputs, num_splits=3, config=config)
+
+
 def test_decode_num_splits_rule():
     sms = 132  # H200
     assert A.decode_num_splits(128, 4, 1024, sms) == 1         # 512 programs fill the GPU
@@ -283,6 +290,7 @@ def _decode_args(device):
     (lambda a: a.update(num_splits=0), r"num_splits must be None or an int in \[1, 512\]"),
     (lambda a: a.update(max_context_len=10**6), r"max_context_len must be an int in \[1, 48\]"),
     (lambda a: a.update(out=a["q"].float()), "out must be torch.bfloat16"),
+    (lambda a: a.update(config=dict(BLOCK_M=16)), r"config keys must be among \['BLOCK_N', 'num_stages', 'num_warps'\]"),
 ])
 def test_paged_decode_bad_input(device, change, match):
     args = _decode_args(device)

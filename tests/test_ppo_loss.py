@@ -379,6 +379,19 @@ def test_chunk_rows_policy():
     assert P._chunk_rows(10**6, 10**7, 4) == P.CHUNK_ALIGN
 
 
+def test_chunk_rows_fit_the_memory_target():
+    """Qwen2-7B head, bf16, both gradients: gradients + chunk + O(M) stay within LOSS_MEMORY_BYTES
+    while the gradients leave at least MIN_CHUNK_ROWS rows; beyond that the chunk stays at that floor."""
+    H, V = 3584, 152064
+    for M in (8192, 32768, 131072):
+        grads = (M * H + V * H) * 2
+        c = P._chunk_rows(M, V, 2, grads)
+        assert c % P.CHUNK_ALIGN == 0 and c >= P.MIN_CHUNK_ROWS
+        assert grads + c * V * 2 + P.WORKSPACE_BYTES_PER_ROW * M <= P.LOSS_MEMORY_BYTES, M
+    assert P._chunk_rows(32768, V, 2, 0) > P._chunk_rows(32768, V, 2, (32768 * H + V * H) * 2)
+    assert P._chunk_rows(10**6, V, 2, 4 * P.LOSS_MEMORY_BYTES) == P.MIN_CHUNK_ROWS
+
+
 # --------------------------------------------------------------------------------------------
 # token_logprobs
 
@@ -638,8 +651,8 @@ def test_gpu_memory_is_one_chunk(device):
     loss.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    chunk = P._chunk_rows(M, V, 2) * V * 2
     grads = (M * H + V * H) * 2
+    chunk = P._chunk_rows(M, V, 2, grads) * V * 2
     assert extra <= chunk + grads + 64 * 2**20, (extra, chunk, grads)
     assert extra < 0.6 * M * V * 2  # less than the bf16 logits alone
 
