@@ -19,9 +19,12 @@ Providers, all on the same shapes in the same run:
 - `torch_ref` (CPU only): the package's plain-torch reference. On CPU (the harness check) the bench
   runs one tiny case with `sdpa_dense`, `torch_ref` and eager `flex_attention`, and no Triton.
 
-Every timed call starts with a cold L2 (a 512 MiB write first, whose GPU time also hides the host's
+Every timed call starts with a cold L2 (a 512 MiB read first, whose GPU time also hides the host's
 launch of the timed call), as a layer's KV is cold in a real decode step; B = 1 at 16k is 32 MiB and
-would otherwise sit in the H200's 50 MB L2.
+would otherwise sit in the H200's 50 MB L2. The flush reads rather than writes (case flush="read"):
+in a decode step the L2 before attention holds the weights just read, clean lines; after a 512 MiB
+write it would hold ~50 MB of dirty lines whose write-back (~12 us) lands inside the timed call and
+dominates the small cases (B = 1, 16k: 27 us after a write flush for 33.5 MB of K/V).
 """
 
 from __future__ import annotations
@@ -96,8 +99,15 @@ def flex_paged(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, *,
     return eager
 
 
-def cold_times(ctx: Ctx, fn, *, warmup: int, repeats: int, flush: torch.Tensor | None) -> list[float]:
-    """Seconds per call, each after an L2 flush on GPU (see the module docstring)."""
+def _flush_buffer(ctx: Ctx) -> torch.Tensor:
+    """FLUSH_BYTES of int32 zeros, read (summed) before every timed call."""
+    return torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device=ctx.device)
+
+
+def cold_times(ctx: Ctx, fn, *, warmup: int, repeats: int, flush: torch.Tensor | None,
+               write_flush: bool = False) -> list[float]:
+    """Seconds per call, each after an L2 flush on GPU (see the module docstring); `write_flush`
+    flushes by writing the buffer instead (the sweep compares the two)."""
     if flush is None:
         return ctx.measure(fn, warmup=warmup, repeats=repeats, desc="paged_attention")
     for _ in range(warmup):
@@ -106,7 +116,7 @@ def cold_times(ctx: Ctx, fn, *, warmup: int, repeats: int, flush: torch.Tensor |
     for _ in range(ctx.reps(repeats)):
         torch.cuda.synchronize(ctx.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush.zero_()
+        flush.zero_() if write_flush else flush.sum()
         start.record()
         fn()
         end.record()
@@ -125,13 +135,13 @@ def paged_attention(ctx: Ctx) -> None:
     from hybridengine import attention
 
     cases = [(b, c) for c in CONTEXTS_GPU for b in BATCHES_GPU] if ctx.cuda else list(CASES_CPU)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=ctx.device) if ctx.cuda else None
+    flush = _flush_buffer(ctx) if ctx.cuda else None
     scale = HEAD_DIM**-0.5
     g = torch.Generator(device=ctx.device).manual_seed(0)
     for batch, context in cases:
         nbytes = kv_bytes(batch, context)
         base = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                    dtype="bf16", kv_bytes=nbytes)
+                    dtype="bf16", kv_bytes=nbytes, flush="read")
         q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
         dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
                                         device=ctx.device, generator=g) for _ in range(2))
@@ -180,8 +190,10 @@ def paged_attention(ctx: Ctx) -> None:
 
 
 SWEEP_CASES = ((1, 16384), (16, 4096), (16, 16384), (128, 1024), (128, 4096))
-SWEEP_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-SWEEP_SPLIT_FACTORS = (1, 2, 4)
+SWEEP_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
+                 for n, w, s in ((64, 4, 2), (64, 4, 3), (32, 4, 4), (128, 4, 3), (128, 8, 4), (64, 8, 3))]
+"""The six best of the full 3 x 2 x 3 grid (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages) in the first sweep."""
+SWEEP_SPLIT_FACTORS = (1, 2, 4, 8)
 """Multiples of the automatic split count tried where the automatic plan splits."""
 
 
@@ -193,7 +205,7 @@ def paged_attention_sweep(ctx: Ctx) -> None:
     if not ctx.cuda:
         ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "sweep: GPU only", sweep=True)
         return
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=ctx.device)
+    flush = _flush_buffer(ctx)
     scale = HEAD_DIM**-0.5
     g = torch.Generator(device=ctx.device).manual_seed(0)
     for batch, context in SWEEP_CASES:
@@ -205,15 +217,26 @@ def paged_attention_sweep(ctx: Ctx) -> None:
         expected = F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale,
                                                   enable_gqa=True)[:, :, 0]
         auto = attention.decode_num_splits(batch, NUM_KV_HEADS, context, attention.num_sms(ctx.device))
+        base = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                    dtype="bf16", kv_bytes=nbytes, block_size=BLOCK_SIZE, sweep=True)
+        flush_runs = {"sdpa_dense": lambda: F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale,
+                                                                           enable_gqa=True),
+                      "hybridengine": lambda: attention.paged_decode_attention(q, k_cache, v_cache, tables, lens,
+                                                                               scale=scale, max_context_len=context)}
+        for provider, fn in flush_runs.items():  # what the flush's write-back adds to a call
+            for write in (False, True):
+                times = cold_times(ctx, fn, warmup=3, repeats=20, flush=flush, write_flush=write)
+                ctx.rec.add("paged_attention", provider, MODEL, {**base, "split": "flush_check",
+                            "flush": "write" if write else "read"}, "seconds", times)
+                ctx.log(f"paged_attention sweep B={batch} ctx={context} {provider} after a "
+                        f"{'write' if write else 'read'} flush: {quantiles(times)[1] * 1e6:.1f} us")
         factors = SWEEP_SPLIT_FACTORS if auto > 1 else (1,)
         best = None
         for config in SWEEP_CONFIGS:
             for factor in factors:
                 splits = min(auto * factor, attention.DECODE_MAX_SPLITS, max(1, context // config["BLOCK_N"]))
                 parts = attention.decode_partitions(context, splits, config["BLOCK_N"])[0]
-                case = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS,
-                            head_dim=HEAD_DIM, dtype="bf16", kv_bytes=nbytes, block_size=BLOCK_SIZE, sweep=True,
-                            split=f"{factor}x_auto", num_partitions=parts, **config)
+                case = dict(base, flush="read", split=f"{factor}x_auto", num_partitions=parts, **config)
 
                 def fn(splits=splits, config=config):
                     return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,

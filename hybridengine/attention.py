@@ -35,6 +35,10 @@ DECODE_MIN_PARTITION = 256
 write 2 x head_dim + 2 floats per head) and a share of the reduce kernel."""
 DECODE_MAX_SPLITS = 512
 """Upper bound on a forced `num_splits` (the reduce kernel holds one max and one sum per partition)."""
+DECODE_REDUCE_BLOCK_D = 32
+"""head_dim slice per program of the split-K merge kernel."""
+DECODE_REDUCE_CHUNK = 64
+"""Partitions merged per load by the split-K merge kernel ([64, 32] fp32 tile: 16 values a thread at 4 warps)."""
 DECODE_TARGET_WAVES = 2
 """Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 2 x SMs)."""
 
@@ -368,10 +372,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         PAGE_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype), **cfg,
     )
     if split:
-        paged_decode_reduce_kernel[(batch, num_q_heads)](
+        block_dr = min(block_d, DECODE_REDUCE_BLOCK_D)
+        paged_decode_reduce_kernel[(batch, num_q_heads, block_d // block_dr)](
             acc_part, m_part, l_part, out, out.stride(0), out.stride(1), num_partitions, num_q_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(num_partitions), CHUNK_P=16,
-            num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DR=block_dr,
+            CHUNK_P=min(DECODE_REDUCE_CHUNK, triton.next_power_of_2(num_partitions)), num_warps=4,
         )
     return out
 

@@ -102,26 +102,33 @@ def paged_decode_kernel(
 def paged_decode_reduce_kernel(
     Acc_part, M_part, L_part, Out,
     stride_ob, stride_oh, num_partitions, num_q_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, CHUNK_P: tl.constexpr,
 ):
-    """One program per (sequence, query head): out = sum_p w_p acc_p / sum_p w_p l_p, w_p = 2^(m_p - max m)."""
+    """One program per (sequence, query head, BLOCK_DR slice of head_dim):
+    out = sum_p w_p acc_p / sum_p w_p l_p with w_p = 2^(m_p - max m). Up to CHUNK_P partitions are
+    merged per load, so the usual 4..128 partitions take one or two dependent loads, and the grid has
+    BLOCK_D / BLOCK_DR times more programs than heads (B = 1: 28 heads alone would leave the GPU idle)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    d = tl.program_id(2) * BLOCK_DR + tl.arange(0, BLOCK_DR)
     row0 = (seq * num_q_heads + head) * num_partitions
-    p = tl.arange(0, BLOCK_P)
-    m_all = tl.load(M_part + row0 + p, mask=p < num_partitions, other=float("-inf"))
-    m_max = tl.max(m_all, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every partition empty (context 0)
-    l_all = tl.load(L_part + row0 + p, mask=p < num_partitions, other=0.0)
-    total = tl.sum(l_all * tl.exp2(m_all - m_max), 0)
-
-    d = tl.arange(0, BLOCK_D)
-    out = tl.zeros([BLOCK_D], tl.float32)
+    # pass 1: the global max over the partitions' running maxima
+    m_max = tl.full([CHUNK_P], float("-inf"), tl.float32)
+    for c0 in range(0, num_partitions, CHUNK_P):
+        c = c0 + tl.arange(0, CHUNK_P)
+        m_max = tl.maximum(m_max, tl.load(M_part + row0 + c, mask=c < num_partitions, other=float("-inf")))
+    m_top = tl.max(m_max, 0)
+    m_top = tl.where(m_top == float("-inf"), 0.0, m_top)  # every partition empty (context 0)
+    # pass 2: weighted sums of the accumulators and the exp-sums
+    total = tl.zeros([CHUNK_P], tl.float32)
+    out = tl.zeros([BLOCK_DR], tl.float32)
     for c0 in range(0, num_partitions, CHUNK_P):
         c = c0 + tl.arange(0, CHUNK_P)
         c_ok = c < num_partitions
-        w = tl.exp2(tl.load(M_part + row0 + c, mask=c_ok, other=float("-inf")) - m_max)
+        w = tl.exp2(tl.load(M_part + row0 + c, mask=c_ok, other=float("-inf")) - m_top)
+        total += w * tl.load(L_part + row0 + c, mask=c_ok, other=0.0)
         acc = tl.load(Acc_part + (row0 + c)[:, None] * BLOCK_D + d[None, :], mask=c_ok[:, None], other=0.0)
         out += tl.sum(acc * w[:, None], 0)
-    out = out / tl.where(total == 0.0, 1.0, total)
+    norm = tl.sum(total, 0)
+    out = out / tl.where(norm == 0.0, 1.0, norm)
     tl.store(Out + seq * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)

@@ -252,6 +252,16 @@ def test_paged_decode_config_override(device):
         check_decode(*inputs, num_splits=3, config=config)
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_paged_decode_merge_over_several_chunks(device, monkeypatch, head_dim):
+    """The split-K merge loops over partitions CHUNK_P at a time and splits head_dim over programs:
+    with 2-partition chunks, 5 partitions take three loads (the last partly masked)."""
+    monkeypatch.setattr(A, "DECODE_REDUCE_CHUNK", 2)
+    monkeypatch.setattr(A, "DECODE_REDUCE_BLOCK_D", 16)
+    inputs = decode_inputs(4, 2, head_dim, 16, [150, 97, 3], torch.bfloat16, device)
+    check_decode(*inputs, num_splits=5)
+
+
 def test_decode_num_splits_rule():
     sms = 132  # H200
     assert A.decode_num_splits(128, 4, 1024, sms) == 1         # 512 programs fill the GPU
