@@ -2,8 +2,8 @@
 
 Each bench measures, per model: the train->generate switch (gather every parameter, then release),
 rollout generation (64 prompts x 128 new tokens per GPU), and a train step (4 x 1024 tokens per
-GPU, fwd + bwd + AdamW), each with its peak memory. The `hybridengine` slots at the bottom write
-rows once the engine exists; until then they return None and write nothing.
+GPU, fwd + bwd + AdamW), each with its peak memory. hybridengine's rows for the same workloads come
+from the suites switch, generate and train_step (bench/switch.py, generate.py, train.py).
 """
 
 from __future__ import annotations
@@ -216,25 +216,3 @@ def deepspeed_zero3(ctx: Ctx) -> None:
         engine.destroy()
         del engine, model, params
         release_memory()
-
-
-# hybridengine provider slots: the engine issues fill these with rows beside the peers above
-# (same workload, same case fields, provider "hybridengine"). Until then each returns None and
-# writes no row: absent, not zero.
-
-def hybridengine_switch(ctx: Ctx) -> bool | None:
-    return None
-
-
-def hybridengine_generate(ctx: Ctx) -> bool | None:
-    return None
-
-
-def hybridengine_train_step(ctx: Ctx) -> bool | None:
-    return None
-
-
-def hybridengine(ctx: Ctx) -> None:
-    for slot in (hybridengine_switch, hybridengine_generate, hybridengine_train_step):
-        if slot(ctx) is None:
-            ctx.log(f"  {slot.__name__}: not implemented yet, no rows")

@@ -27,11 +27,12 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DATASHEET = {"hbm_copy": 4800.0, "gemm": 989.0}
 """H200 SXM datasheet: 4.8 TB/s HBM3e, ~989 dense bf16 TFLOP/s; all-gather has no datasheet floor."""
 KNOWN_BENCHES = {"hbm_copy", "gemm", "all_gather", "switch", "switch_memory", "unit_gather", "generate", "decode_step",
-                 "train_step", "segment_copy", "paged_attention", "ppo_loss"}
+                 "train_step", "segment_copy", "paged_attention", "ppo_loss", "ppo_e2e"}
 PEER = {"switch": "fsdp2", "generate": "hf_generate", "train_step": "fsdp2", "segment_copy": "torch_copy"}
 VARIANT_KEYS = ("case", "cache", "phase", "direction", "tg", "samples", "timer_sync")
 """Case entries that tell two rows of one provider and model apart."""
-GOAL = {"switch_vs_nccl": 1.15, "switch_vs_deepspeed": 1.5, "unit_gather_vs_nccl": 0.9, "decode_step_vs_floor": 1.5}
+GOAL = {"switch_vs_nccl": 1.15, "switch_vs_deepspeed": 1.5, "unit_gather_vs_nccl": 0.9, "decode_step_vs_floor": 1.5,
+        "e2e_vs_deepspeed": 3.0, "e2e_switch_share": 0.05}
 """The issues' targets: switch time <= 1.15 x the NCCL all-gather of its bytes and >= 1.5x faster than
 DeepSpeed ZeRO-3's gather; unit-gather bus bandwidth >= 0.9 x NCCL's; decode step within 1.5x of its floor."""
 HEADLINE_MODEL = "qwen2-7b"
@@ -621,6 +622,45 @@ def ppo_loss_section(rows: list[dict]) -> str:
                     sbody))
 
 
+E2E_PHASES = ("switch_to_generation", "rollout_setup", "generate", "switch_to_training", "log_probs", "update")
+
+
+def _e2e_steps(rows: list[dict]) -> list[dict]:
+    return [r for r in latest(rows, "ppo_e2e") if r["metric"] == "seconds" and "phase" not in r["case"]]
+
+
+def _e2e_phases(rows: list[dict], r: dict) -> dict[str, float]:
+    return {x["case"]["phase"]: x["value"] for x in in_run(rows, r["run_id"])
+            if x["bench"] == "ppo_e2e" and x["provider"] == r["provider"] and x["model"] == r["model"]
+            and x["metric"] == "seconds" and "phase" in x["case"]}
+
+
+def ppo_e2e_section(rows: list[dict]) -> str:
+    steps = sorted(_e2e_steps(rows), key=lambda r: (r["model"] or "", r["provider"]))
+    if not steps:
+        return "## Whole GRPO step (ppo_e2e)\n\nNo rows yet."
+    notes = Notes()
+    body = []
+    for r in steps:
+        tok = twin(rows, r, "tokens_per_s", count="all")
+        phases = _e2e_phases(rows, r)
+        split = ", ".join(f"{name.replace('_', ' ')} {dur(phases[name])}" for name in E2E_PHASES if name in phases)
+        switch = sum(phases.get(k, 0.0) for k in ("switch_to_generation", "switch_to_training"))
+        ds, _ = peer(rows, r["run_id"], bench="ppo_e2e", provider="deepspeed_zero3", model=r["model"], metric="seconds")
+        vs = "–" if r["provider"] != "hybridengine" else ratio(ds and ds["value"], r["value"]) + notes.other_run(ds, r["run_id"])
+        body.append([r["model"], r["provider"], f"{r['num_gpus']} x {r['gpu']}", dur_spread(r),
+                     fmt(tok and tok["value"]), vs, f"{switch / r['value']:.1%}" if r["provider"] == "hybridengine" else "–",
+                     split])
+    c = steps[0]["case"]
+    return (f"## Whole GRPO step (ppo_e2e: per GPU {c.get('prompts_per_gpu')} prompts of {c.get('prompt')} tokens x "
+            f"n = {c.get('samples')} x {c.get('new_tokens')} new tokens, log-probs, one update)\n\n"
+            "tok/s: prompt + response tokens of all GPUs per second. Speed vs DeepSpeed = the ZeRO-3 loop's step time / "
+            "hybridengine's (gather-once HF generate, ZeRO-3 forwards for log-probs, ZeRO-3 update). Switch share = "
+            "(switch to generation + switch back) / step.\n\n"
+            + table(["model", "provider", "GPUs", "s per step", "tok/s", "speed vs DeepSpeed", "switch share", "phases"],
+                    body) + str(notes))
+
+
 def other_section(rows: list[dict]) -> str:
     """Benches without a section of their own: every row of their latest run, as is."""
     body = []
@@ -888,6 +928,20 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          "tokens (peers only; no hybridengine train-step rows): FSDP2 speed vs DeepSpeed ZeRO-3",
                          f"FSDP2 {dur(fsdp['value'])}", f"ZeRO-3 {dur(ds['value'])}",
                          f"{ratio(ds['value'], fsdp['value'])}x", "–", _where(fsdp, ds)])
+    for r in _e2e_steps(rows):
+        if r["provider"] != "hybridengine":
+            continue
+        ds, _ = peer(rows, r["run_id"], bench="ppo_e2e", provider="deepspeed_zero3", model=r["model"], metric="seconds")
+        c = r["case"]
+        work = (f"{r['model']}, per GPU {c.get('prompts_per_gpu')} prompts x n={c.get('samples')} x "
+                f"{c.get('new_tokens')} new tokens")
+        if ds is not None:
+            body.append([f"Whole GRPO step speed vs a DeepSpeed ZeRO-3 loop, {work}", dur(r["value"]), dur(ds["value"]),
+                         f"{ratio(ds['value'], r['value'])}x", f">= {GOAL['e2e_vs_deepspeed']}x", _where(r, ds)])
+        phases = _e2e_phases(rows, r)
+        switch = sum(phases.get(k, 0.0) for k in ("switch_to_generation", "switch_to_training"))
+        body.append([f"Switch share of the whole GRPO step, {work}", dur(switch), dur(r["value"]),
+                     f"{switch / r['value']:.1%}", f"< {GOAL['e2e_switch_share']:.0%}", _where(r)])
     return body
 
 
@@ -917,7 +971,7 @@ def report(rows_path: Path, out_dir: Path, readme: Path) -> Path:
     images = plots(rows, out_dir)
     sections = [floors_section(rows), switch_section(rows), unit_gather_section(rows), generate_section(rows),
                 train_section(rows), segment_copy_section(rows), paged_attention_section(rows), ppo_loss_section(rows),
-                other_section(rows), not_run_section(rows), runs_section(rows)]
+                ppo_e2e_section(rows), other_section(rows), not_run_section(rows), runs_section(rows)]
     text = ("# Benchmark report\n\nGenerated by `python -m bench report` from "
             f"`{rows_path.name}` ({len(rows)} rows). " + __doc__.split("\n\n", 1)[1] + "\n"
             + "\n\n".join(sections) + "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in images) + "\n")

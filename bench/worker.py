@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import floors, generate, paged_attention, peers, ppo_loss, segment_copy, switch, train
+from . import e2e, floors, generate, paged_attention, peers, ppo_loss, segment_copy, switch, train
 from .common import Ctx, Recorder, release_memory
 
 BENCHES = {
@@ -24,7 +24,6 @@ BENCHES = {
     "hf_generate": peers.hf_generate,
     "fsdp2": peers.fsdp2,
     "deepspeed": peers.deepspeed_zero3,
-    "hybridengine": peers.hybridengine,
     "segment_copy": segment_copy.segment_copy,
     "switch": switch.switch,
     "unit_gather": switch.unit_gather,
@@ -33,14 +32,16 @@ BENCHES = {
     "paged_attention_sweep": paged_attention.paged_attention_sweep,
     "ppo_loss": ppo_loss.ppo_loss,
     "train_step": train.train_step,
+    "ppo_e2e": e2e.ppo_e2e,
+    "ppo_e2e_deepspeed": e2e.ppo_e2e_deepspeed,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
 # Each suite fits one device call of < 10 minutes on nvidia-h200-x2 (one model per call for the peers).
 # DeepSpeed goes last: zero.Init patches module construction globally.
 SUITES: dict[str, list[str]] = {
-    "smoke": [*FLOORS, "hf_generate", "fsdp2", "hybridengine", "segment_copy"],
+    "smoke": [*FLOORS, "hf_generate", "fsdp2", "segment_copy"],
     "floors": FLOORS,
-    "baselines": [*FLOORS, "hf_generate", "fsdp2", "hybridengine", "deepspeed"],
+    "baselines": [*FLOORS, "hf_generate", "fsdp2", "deepspeed"],
     "deepspeed": [*FLOORS, "deepspeed"],
     "fsdp2": [*FLOORS, "fsdp2"],
     "hf_generate": [*FLOORS, "hf_generate"],
@@ -51,6 +52,7 @@ SUITES: dict[str, list[str]] = {
     "paged_attention_sweep": ["hbm_copy", "paged_attention_sweep"],
     "ppo_loss": ["gemm", "ppo_loss"],
     "train_step": ["gemm", "train_step"],
+    "ppo_e2e": ["ppo_e2e", "ppo_e2e_deepspeed"],  # DeepSpeed last (zero.Init)
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"]}
 

@@ -58,6 +58,29 @@ def test_smoke_suite_rows(tmp_path):
     assert not any(r["provider"] == "hybridengine" and r["bench"] != "segment_copy" for r in rows)
 
 
+def test_ppo_e2e_suite_rows_on_cpu(tmp_path):
+    """The whole-step bench on a tiny model: per-phase rows that add up to the step, both token counts."""
+    out = tmp_path / "rows.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HE_COMMIT": "test"}
+    env.pop("HE_BENCH_RUN_ID", None)
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", "ppo_e2e", "--scale", "0.5", "--cpu",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row in rows:
+        check_row(row)
+    ours = [r for r in rows if r["provider"] == "hybridengine"]
+    assert ours and all(r["bench"] == "ppo_e2e" for r in ours)
+    step = next(r for r in ours if r["metric"] == "seconds" and "phase" not in r["case"])
+    phases = {r["case"]["phase"]: r["value"] for r in ours if r["metric"] == "seconds" and "phase" in r["case"]}
+    assert set(phases) == {"switch_to_generation", "rollout_setup", "generate", "switch_to_training", "log_probs",
+                           "update"}
+    assert sum(phases.values()) == pytest.approx(step["value"], rel=1e-6)  # one step: medians of single samples
+    counts = {r["case"]["count"]: r["value"] for r in ours if r["metric"] == "tokens_per_s"}
+    assert counts["all"] == pytest.approx(counts["response"] * (8 + 4) / 4)
+    assert any(r["provider"] == "deepspeed_zero3" and r["metric"] == "not_run" for r in rows)
+
+
 def synthetic_rows(path: Path) -> None:
     rec = Recorder(path=path, run_id="r1", gpu="NVIDIA H200", num_gpus=2, commit="abc", versions={"triton": "3"})
     rec.add("hbm_copy", "torch_copy", None, {"bytes": 2**32}, "GB_per_s", [4000.0, 4200.0, 4100.0])
