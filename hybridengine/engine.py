@@ -337,35 +337,17 @@ class HybridEngine:
             bar = tqdm(total=total, desc="generate", unit="tok")
         t0, steps, decode_s = time.perf_counter(), 0, 0.0
         while not sched.done:
-            batch = sched.schedule()
             ts = time.perf_counter()
+            batch = sched.schedule()
             logits = self._runner.step(batch)
-            rows, seqs = [], []
-            for r, seq in enumerate(batch.seqs):
-                if seq.fork > 1:  # a prompt's prefill: its samples all draw from this row
-                    children = sched.fork(seq)
-                    rows += [r] * len(children)
-                    seqs += children
-                else:
-                    rows.append(r)
-                    seqs.append(seq)
-            for seq in seqs:
-                if seq.generator is None and seq.params.seed is not None:
-                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed * 100003 + seq.sample)
-            tokens, logprobs = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
-            if tp_group is not None:  # every TP rank must continue with the same tokens
-                dist.broadcast(tokens, src=self._tp_src, group=tp_group)
-                dist.broadcast(logprobs, src=self._tp_src, group=tp_group)
-            if not batch.is_prefill:
-                torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
+            seqs = batch.seqs
+            if batch.is_prefill:
+                logits, seqs = _fork_prefilled(sched, batch, logits, self.device)
+            tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            tokens, logprobs = _to_host(tokens, logprobs, tp_group, self._tp_src if tp_group is not None else 0)
+            _append_tokens(sched, seqs, tokens, logprobs, finished)
+            if not batch.is_prefill:  # the whole iteration, host bookkeeping included: the GPU waits for it
                 decode_s += time.perf_counter() - ts
-            for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
-                seq.token_ids.append(tok)
-                seq.logprobs.append(lp)
-                done = len(seq.completion_ids) >= seq.params.max_tokens
-                if tok in seq.params.stop_token_ids or done:
-                    sched.finish(seq, "stop" if tok in seq.params.stop_token_ids else "length")
-                    finished.append(seq)
             steps += 1
             if bar is not None:
                 bar.update(len(seqs))
@@ -377,3 +359,44 @@ class HybridEngine:
         self.stats.update(generate_s=time.perf_counter() - t0, steps=steps, decode_s=decode_s,
                           preemptions=sched.num_preemptions)
         return outputs
+
+
+def _fork_prefilled(sched: Scheduler, batch, logits: torch.Tensor, device: torch.device):
+    """After a prefill: each prompt awaiting its fork becomes its samples, which all draw from its row;
+    fresh seeded samples get their generator. Returns (logits row per sequence, sequences)."""
+    rows, seqs = [], []
+    for r, seq in enumerate(batch.seqs):
+        children = sched.fork(seq) if seq.fork > 1 else [seq]
+        rows += [r] * len(children)
+        seqs += children
+    for seq in seqs:
+        if seq.generator is None and seq.params.seed is not None:
+            seq.generator = torch.Generator(device).manual_seed(seq.params.seed * 100003 + seq.sample)
+    if rows != list(range(len(batch.seqs))):
+        logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+    return logits, seqs
+
+
+def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor, tp_group, tp_src: int) -> tuple[list[int], list[float]]:
+    """Tokens and log-probs as Python lists in one device-to-host copy (one wait for the step); under
+    TP, rank tp_src's, in one broadcast. float64 holds both exactly (ids < 2^53, fp32 log-probs)."""
+    packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
+    if tp_group is not None:  # every TP rank must continue with the same tokens
+        dist.broadcast(packed, src=tp_src, group=tp_group)
+    packed = packed.cpu()
+    return packed[0].long().tolist(), packed[1].tolist()
+
+
+def _append_tokens(sched: Scheduler, seqs: list[Sequence], tokens: list[int], logprobs: list[float],
+                   finished: list[Sequence]) -> None:
+    """Append each sequence's new token; finish those that emitted a stop token or reached max_tokens."""
+    for seq, tok, lp in zip(seqs, tokens, logprobs):
+        seq.token_ids.append(tok)
+        seq.logprobs.append(lp)
+        params = seq.params
+        if tok in params.stop_token_ids:
+            sched.finish(seq, "stop")
+            finished.append(seq)
+        elif seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens:
+            sched.finish(seq, "length")
+            finished.append(seq)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import attention as attn_ops
@@ -30,9 +31,8 @@ class KVCache:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: dst block := src block, in every layer, K and V."""
-        if copies:
-            src = torch.tensor([c[0] for c in copies], device=self.data.device)
-            dst = torch.tensor([c[1] for c in copies], device=self.data.device)
+        if copies:  # (a pageable copy with non_blocking=False would wait for the GPU)
+            src, dst = torch.tensor(copies).t().to(self.data.device, non_blocking=True)
             self.data[:, :, dst] = self.data[:, :, src]
 
     def nbytes(self) -> int:
@@ -75,6 +75,17 @@ class ModelRunner:
         self.scale = model.config.head_dim ** -0.5
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
         self.graph_capture_s = 0.0
+        # Decode inputs are written on the host into one of two staging buffers (pinned on CUDA) and
+        # sent in one copy; a buffer is rewritten only once the copy that last read it has run.
+        self._staging: list[torch.Tensor] = []
+        self._host_views: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # numpy views per (buffer, rows)
+        self._staged = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else []
+        self._turn = 0
+        # Host mirror of the decode block tables, row i = batch row i of the last decode step, with
+        # (list, length, last block) of the table it holds: a row is rewritten only when one changed.
+        self._tables = np.full((0, self.max_blocks), -1, dtype=np.int32)
+        self._table_lens = np.zeros(0, dtype=np.int64)
+        self._table_rows: list[tuple] = []
         if use_cuda_graphs and self.device.type == "cuda":
             self._capture(max_num_seqs)
 
@@ -107,17 +118,86 @@ class ModelRunner:
         hidden = self.model.hidden_states_paged(self._tensor(ids), self._tensor(positions), meta)
         return self.model.compute_logits(hidden[self._tensor(last)]).float()
 
+    # -- decode inputs: ids, positions, slots (int64 [n]), lens (int32 [n]) and block tables (int32
+    # [n, max_blocks]) as views of one int64 buffer, so that a step needs one host-to-device copy.
+
+    def _decode_numel(self, n: int) -> int:
+        return 3 * n + -(-n * (1 + self.max_blocks) // 2)
+
+    def _decode_views(self, buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+        words = buf[3 * n:].view(torch.int32)
+        return dict(ids=buf[:n], positions=buf[n:2 * n], slots=buf[2 * n:3 * n], lens=words[:n],
+                    tables=words[n:n + n * self.max_blocks].view(n, self.max_blocks))
+
+    def _next_staging(self, n: int) -> torch.Tensor:
+        """The host buffer for this step's inputs, once the copy that last read it has run."""
+        numel = self._decode_numel(n)
+        if not self._staging or self._staging[0].numel() < numel:
+            pin = self.device.type == "cuda"
+            self._staging = [torch.empty(numel, dtype=torch.int64, pin_memory=pin) for _ in range(1 + pin)]
+            self._host_views.clear()
+        self._turn = (self._turn + 1) % len(self._staging)
+        if self._staged:
+            self._staged[self._turn].synchronize()  # at once in generate(): each step already waited for its tokens
+        return self._staging[self._turn][:numel]
+
+    def _set_table_row(self, row: int, table: list[int]) -> None:
+        n = len(table)
+        if n > self.max_blocks:
+            raise ValueError(f"a block table of {n} blocks is longer than max_model_len allows ({self.max_blocks})")
+        self._tables[row, :n] = table
+        self._tables[row, n:] = -1
+        self._table_lens[row] = n
+        self._table_rows[row] = (table, n, table[-1] if table else None)
+
+    def _stage_decode(self, seqs: list[Sequence], pad_to: int) -> torch.Tensor:
+        """The decode inputs of seqs, padded to pad_to rows, written into a host staging buffer.
+
+        O(B) Python per step: a table row is rewritten only when its sequence's block-table list, its
+        length or its last block changed. That catches every change BlockManager makes (a new list
+        on allocate/free/fork, an append, a copy-on-write of the last block).
+        """
+        B, bs = len(seqs), self.block_size
+        if len(self._table_rows) < B:
+            grow = B - len(self._table_rows)
+            self._tables = np.concatenate([self._tables, np.full((grow, self.max_blocks), -1, np.int32)])
+            self._table_lens = np.concatenate([self._table_lens, np.zeros(grow, np.int64)])
+            self._table_rows += [(None, 0, None)] * grow
+        ids = [seq.token_ids[-1] for seq in seqs]
+        lens = [len(seq.token_ids) for seq in seqs]
+        for i, (seq, (cached, n, last)) in enumerate(zip(seqs, self._table_rows)):
+            table = seq.block_table
+            if cached is not table or n != len(table) or (n and last != table[-1]):
+                self._set_table_row(i, table)
+        buf = self._next_staging(pad_to)
+        v = self._host_views.get((self._turn, pad_to))
+        if v is None:
+            v = self._host_views[self._turn, pad_to] = {k: t.numpy() for k, t in self._decode_views(buf, pad_to).items()}
+        lens = np.array(lens, dtype=np.int64)
+        positions = lens - 1
+        block = positions // bs
+        if B and (block >= self._table_lens[:B]).any():
+            i = int(np.argmax(block >= self._table_lens[:B]))
+            raise RuntimeError(f"sequence {seqs[i].seq_id}: position {positions[i]} has no KV block "
+                               f"(block table of {self._table_lens[i]} blocks)")
+        # slot of the last token, as `_slots`: table[p // bs] * bs + p % bs
+        slots = self._tables[np.arange(B), block].astype(np.int64) * bs + positions % bs
+        for name, value, pad in (("ids", ids, 0), ("positions", positions, 0), ("slots", slots, -1), ("lens", lens, 0),
+                                 ("tables", self._tables[:B], -1)):
+            v[name][:B] = value
+            v[name][B:] = pad  # 0 lens: a padding row, output zeros; -1 slots: nothing stored
+        return buf
+
+    def _upload(self, host: torch.Tensor, dest: torch.Tensor | None = None) -> torch.Tensor:
+        """host staging -> device in one copy (into dest, the static inputs of a graph, when given)."""
+        if self.device.type != "cuda":
+            return host if dest is None else dest.copy_(host)
+        dest = host.to(self.device, non_blocking=True) if dest is None else dest.copy_(host, non_blocking=True)
+        self._staged[self._turn].record()
+        return dest
+
     def _decode_inputs(self, seqs: list[Sequence], pad_to: int) -> dict[str, torch.Tensor]:
-        B = len(seqs)
-        ids = [s.token_ids[-1] for s in seqs] + [0] * (pad_to - B)
-        positions = [s.num_tokens - 1 for s in seqs] + [0] * (pad_to - B)
-        slots = [self._slots(s, s.num_tokens - 1, s.num_tokens)[0] for s in seqs] + [-1] * (pad_to - B)
-        lens = [s.num_tokens for s in seqs] + [0] * (pad_to - B)  # 0: a padding row, output zeros
-        tables = torch.full((pad_to, self.max_blocks), -1, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        return dict(ids=self._tensor(ids), positions=self._tensor(positions), slots=self._tensor(slots),
-                    lens=self._tensor(lens, torch.int32), tables=tables.to(self.device, non_blocking=True))
+        return self._decode_views(self._upload(self._stage_decode(seqs, pad_to)), pad_to)
 
     def _decode_forward(self, inp: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = AttentionMetadata(self.kv, False, inp["slots"], self.scale, context_lens=inp["lens"],
@@ -130,8 +210,7 @@ class ModelRunner:
         if size is None:
             return self._decode_forward(self._decode_inputs(seqs, B)).float()
         graph, static = self.graphs[size]
-        for name, value in self._decode_inputs(seqs, size).items():
-            static[name].copy_(value)
+        self._upload(self._stage_decode(seqs, size), dest=static["buffer"])
         graph.replay()
         return static["logits"][:B].float()
 
@@ -149,7 +228,9 @@ class ModelRunner:
         pool = None
         for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
             fake = Sequence(request=-1, token_ids=[0], num_prompt_tokens=1, params=None, block_table=[0])
-            static = self._decode_inputs([fake] * size, size)
+            buffer = torch.empty(self._decode_numel(size), dtype=torch.int64, device=self.device)
+            self._upload(self._stage_decode([fake] * size, size), dest=buffer)
+            static = dict(self._decode_views(buffer, size), buffer=buffer)
             static["slots"].fill_(-1)  # capture writes nothing into the cache
             self._decode_forward(static)  # warm-up: Triton compilation and autotuning outside the graph
             torch.cuda.synchronize(self.device)

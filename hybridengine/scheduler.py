@@ -179,6 +179,9 @@ class Scheduler:
         decode, copies = [], []
         while self.running:
             seq = self.running.popleft()
+            if not self.blocks._append_needs_block(seq):  # most steps: the token fits the last block
+                decode.append(seq)
+                continue
             while not self.blocks.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())

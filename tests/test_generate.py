@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
-from hybridengine.sampling import SamplingParams, sample
+from hybridengine import sampling
+from hybridengine.sampling import SamplingParams, _to_device, sample, sample_ref
 from hybridengine.scheduler import BlockManager, Sequence
 
 PROMPT_LENS = [3, 9, 17, 6]
@@ -171,3 +172,162 @@ def test_sampler_follows_the_distribution():
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     # 4000 draws: each frequency within ~4 standard deviations (sqrt(p(1-p)/n) <= 0.008)
     torch.testing.assert_close(freq, logits[0].softmax(-1), rtol=0, atol=0.035)
+
+
+SAMPLER_CASES = {
+    "unit temperature": [SamplingParams()] * 6,
+    "all greedy": [SamplingParams(temperature=0.0)] * 6,
+    "one temperature": [SamplingParams(temperature=0.6)] * 6,
+    "truncation": [SamplingParams(top_k=7), SamplingParams(top_p=0.5)] * 3,
+    "mixed": [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(top_k=5, seed=2), SamplingParams(top_p=0.8), SamplingParams(temperature=0.0, seed=4),
+              SamplingParams(temperature=1.3, top_k=40, top_p=0.9, seed=5), SamplingParams(temperature=2.0)],
+    "all seeded": [SamplingParams(temperature=0.9, seed=s) for s in range(5)],
+}
+
+
+def _generators(params, offset=0):
+    return [torch.Generator().manual_seed(100 + offset + i) if p.seed is not None else None for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("case", list(SAMPLER_CASES))
+def test_sample_returns_exactly_what_the_reference_returns(case):
+    params = SAMPLER_CASES[case]
+    logits = torch.randn(len(params), 97) * 3
+    torch.manual_seed(7)
+    tokens, logprobs = sample(logits, params, _generators(params))
+    torch.manual_seed(7)
+    ref_tokens, ref_logprobs = sample_ref(logits, params, _generators(params))
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logprobs, ref_logprobs)
+
+
+def test_sample_decides_on_the_host(monkeypatch):
+    """No tensor is read back (on CUDA each read is a wait for the GPU); the plain case copies nothing in."""
+    copies = []
+    monkeypatch.setattr(sampling, "_to_device", lambda *a: copies.append(a) or _to_device(*a))
+    for name in ("__bool__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, name=name: pytest.fail(f"sample read a tensor back ({name})"))
+    logits = torch.randn(8, 50)
+    for params in SAMPLER_CASES.values():
+        sample(logits[:len(params)], params, _generators(params))
+    copies.clear()
+    sample(logits, [SamplingParams()] * 8, [None] * 8)
+    assert copies == []
+
+
+def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    logits = torch.randn(6, 64)
+    alone = sample(logits[2:3], [seeded], [torch.Generator().manual_seed(5)])
+    for others in (SAMPLER_CASES["mixed"][:5], [SamplingParams(temperature=0.0)] * 5, [SamplingParams()] * 5):
+        params = others[:2] + [seeded] + others[2:5]
+        gens = _generators(params, offset=10)
+        gens[2] = torch.Generator().manual_seed(5)
+        tokens, logprobs = sample(logits, params, gens)
+        assert tokens[2] == alone[0][0] and logprobs[2] == alone[1][0]
+
+
+def _naive_decode_inputs(runner, seqs, pad_to):
+    """The decode inputs built the plain way (one list per input, `_slots` for the slot)."""
+    B = len(seqs)
+    tables = torch.full((pad_to, runner.max_blocks), -1, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+    return dict(ids=torch.tensor([s.token_ids[-1] for s in seqs] + [0] * (pad_to - B)),
+                positions=torch.tensor([s.num_tokens - 1 for s in seqs] + [0] * (pad_to - B)),
+                slots=torch.tensor([runner._slots(s, s.num_tokens - 1, s.num_tokens)[0] for s in seqs]
+                                   + [-1] * (pad_to - B)),
+                lens=torch.tensor([s.num_tokens for s in seqs] + [0] * (pad_to - B), dtype=torch.int32),
+                tables=tables)
+
+
+def test_decode_inputs_follow_forks_copy_on_write_preemption_and_finishes():
+    """The staged inputs (table rows rewritten only when a table changed) equal the plain construction
+    at every step of a run with forks, copy-on-write, preemptions and sequences finishing mid-batch."""
+    from types import SimpleNamespace
+
+    from hybridengine.runner import KVCache, ModelRunner
+    from hybridengine.scheduler import Scheduler
+
+    bs, max_len = 4, 40
+    kv = KVCache(num_layers=1, num_blocks=16, block_size=bs, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                 device=torch.device("cpu"))
+    runner = ModelRunner(SimpleNamespace(config=SimpleNamespace(head_dim=2)), kv, max_num_seqs=6,
+                         max_model_len=max_len, use_cuda_graphs=False)
+    sched = Scheduler(BlockManager(16, bs), max_num_seqs=6, max_num_batched_tokens=64)
+    g = torch.Generator().manual_seed(0)
+    for i, (n, fork) in enumerate([(5, 3), (9, 1), (2, 2), (13, 1), (7, 2)]):
+        sched.add(Sequence(request=i, token_ids=list(range(n)), num_prompt_tokens=n, params=SamplingParams(), fork=fork))
+    decode_steps = copies = 0
+    while not sched.done:
+        batch = sched.schedule()
+        copies += len(batch.block_copies)
+        seqs = [c for s in batch.seqs for c in (sched.fork(s) if s.fork > 1 else [s])] if batch.is_prefill else batch.seqs
+        if not batch.is_prefill:
+            decode_steps += 1
+            for pad_to in (len(seqs), len(seqs) + 2):
+                got, want = runner._decode_inputs(seqs, pad_to), _naive_decode_inputs(runner, seqs, pad_to)
+                for name, value in want.items():
+                    assert torch.equal(got[name], value), (decode_steps, name)
+        for seq in seqs:
+            seq.token_ids.append(int(torch.randint(0, 100, (), generator=g)))
+            if seq.num_tokens >= max_len - 4 or torch.rand((), generator=g) < 0.04:
+                sched.finish(seq, "length")
+    assert decode_steps > 20 and sched.num_preemptions > 0 and copies > 0
+    # a copy-on-write of the last block of a table the runner already holds (same list, same length)
+    seq = Sequence(request=0, token_ids=list(range(6)), num_prompt_tokens=6, params=SamplingParams(), block_table=[3, 4])
+    runner._decode_inputs([seq], 1)
+    seq.block_table[-1] = 9
+    assert runner._decode_inputs([seq], 1)["slots"].tolist() == [9 * bs + 1]
+
+
+def test_profile_decode_runs_on_cpu(tmp_path):
+    import json
+
+    from bench import profile_decode
+
+    profile_decode.main(["--model", "tiny-qwen2", "--batch", "3", "--prompt", "5", "--new-tokens", "4",
+                         "--device", "cpu", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "profile_decode.json").read_text())
+    assert result["decode_steps"] == 3 and result["wall_ms_per_step"] > 0
+    assert set(result["gpu_ms_per_step"]) == {"attention", "gemm", "sampling", "elementwise/other", "memcpy/memset"}
+    for name in ("schedule", "prepare_inputs", "forward", "sample", "d2h", "bookkeeping"):
+        assert result["host_ranges"][name]["calls"] >= 3, name
+    assert (tmp_path / "trace.json.gz").stat().st_size > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(SAMPLER_CASES))
+def test_sample_returns_exactly_what_the_reference_returns_on_cuda(case):
+    params = SAMPLER_CASES[case]
+    logits = torch.randn(len(params), 151936, device="cuda") * 3
+
+    def gens():
+        return [torch.Generator("cuda").manual_seed(100 + i) if p.seed is not None else None for i, p in enumerate(params)]
+
+    torch.manual_seed(7)
+    tokens, logprobs = sample(logits, params, gens())
+    torch.manual_seed(7)
+    ref_tokens, ref_logprobs = sample_ref(logits, params, gens())
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logprobs, ref_logprobs)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager_decode():
+    """Inputs staged through the graphs' static buffers (pinned, double-buffered) = the eager path."""
+    outs = []
+    for graphs in (True, False):
+        torch.manual_seed(0)
+        engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
+            dtype=torch.float32, device="cuda", block_size=4, max_model_len=64, num_kv_blocks=40, max_num_seqs=8,
+            cuda_graphs=graphs))
+        prompts = prompts_for(engine.vocab_size, [3, 9, 17, 6, 5])
+        with engine.rollout():
+            res = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=20),
+                                            SamplingParams(n=3, temperature=0.9, top_k=30, max_tokens=14, seed=3)] * 2
+                                  + [SamplingParams(temperature=0.0, max_tokens=7)])
+        outs.append(res)
+    for graphed, eager in zip(*outs):  # the graphs run padded batches: other GEMM shapes, other rounding
+        for a, b in zip(graphed.outputs, eager.outputs):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
