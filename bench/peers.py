@@ -93,9 +93,14 @@ def fsdp2(ctx: Ctx) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        with ctx.peak() as pm:
-            times = ctx.measure(step, warmup=3, repeats=10, desc=f"fsdp2 train {name}")
-        record_train(ctx, "fsdp2", name, times, pm, params=numel, optimizer="torch AdamW (foreach)")
+        for checkpointing in (False, True):  # HF's per-layer activation checkpointing (non-reentrant)
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            with ctx.peak() as pm:
+                times = ctx.measure(step, warmup=3, repeats=10, desc=f"fsdp2 train {name}")
+            record_train(ctx, "fsdp2", name, times, pm, params=numel, optimizer="torch AdamW (foreach)",
+                         activation_checkpointing=checkpointing)
+        model.gradient_checkpointing_disable()
 
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -173,9 +178,14 @@ def deepspeed_zero3(ctx: Ctx) -> None:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
 
-        with ctx.peak() as pm:
-            times = ctx.measure(step, warmup=3, repeats=10, desc=f"zero3 train {name}")
-        record_train(ctx, "deepspeed_zero3", name, times, pm, params=numel, optimizer="torch AdamW (foreach)")
+        for checkpointing in (False, True):
+            if checkpointing:
+                engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            with ctx.peak() as pm:
+                times = ctx.measure(step, warmup=3, repeats=10, desc=f"zero3 train {name}")
+            record_train(ctx, "deepspeed_zero3", name, times, pm, params=numel, optimizer="torch AdamW (foreach)",
+                         activation_checkpointing=checkpointing)
+        engine.module.gradient_checkpointing_disable()
 
         gather, release = [], []
         with ctx.peak() as pm:

@@ -480,30 +480,45 @@ def _generate_peers_table(rows: list[dict]) -> str:
                      f"speed vs {PEER['generate']}", "peak GiB torch", "peak GiB nvml", "run"], body) + str(notes))
 
 
+def _ckpt(r: dict) -> bool:
+    """A train_step row's activation checkpointing (peer rows from before the flag ran without)."""
+    return bool(r["case"].get("activation_checkpointing", False))
+
+
+def _train_peer(rows: list[dict], r: dict, provider: str, any_setting: bool = False) -> tuple[dict | None, bool]:
+    """The peer's dense train-step row at r's activation-checkpointing setting (any setting with
+    `any_setting`, when none matches), same run preferred."""
+    cands = [x for x in rows if x["bench"] == "train_step" and x["provider"] == provider and x["model"] == r["model"]
+             and x["metric"] == "seconds" and x["case"].get("layout", "dense") == "dense"]
+    matching = [x for x in cands if _ckpt(x) == _ckpt(r)]
+    cands = matching or (cands if any_setting else [])
+    same = [x for x in cands if x["run_id"] == r["run_id"]]
+    if same:
+        return same[0], True
+    return (max(cands, key=lambda x: x["time"]), False) if cands else (None, False)
+
+
 def train_section(rows: list[dict]) -> str:
     sel = latest(rows, "train_step")
     notes = Notes()
     body = []
-    for r in sel:
+    for r in sorted(sel, key=lambda r: (r["model"] or "", r["provider"], _ckpt(r))):
         if r["metric"] != "seconds":
             continue
         floor = Floors(rows, r["run_id"]).train_s(r["case"])
         tok = twin(rows, r, "tokens_per_s")
-        p, _ = peer(rows, r["run_id"], bench="train_step", provider=PEER["train_step"], model=r["model"],
-                       metric="seconds")
+        p, _ = _train_peer(rows, r, PEER["train_step"])
         torch_peak, nvml_peak = _peaks(sel, r)
-        label = r["provider"]
-        if "layout" in r["case"]:
-            ac = "on" if r["case"].get("activation_checkpointing") else "off"
-            label += f" ({r['case']['layout']}, activation checkpointing {ac})"
-        body.append([r["model"], label, spread(r, 1, 3), fmt(tok and tok["value"]), fmt(floor, 3),
-                     ratio(floor, r["value"]),
+        label = r["provider"] + (f" ({r['case']['layout']})" if "layout" in r["case"] else "")
+        body.append([r["model"], label, "on" if _ckpt(r) else "off", spread(r, 1, 3), fmt(tok and tok["value"]),
+                     fmt(floor, 3), ratio(floor, r["value"]),
                      ratio(p and p["value"], r["value"]) + notes.other_run(p, r["run_id"]),
                      torch_peak, nvml_peak])
-    return ("## Train step (per GPU: 4 x 1024 tokens, fwd + bwd + AdamW; the peers without activation "
-            "checkpointing, hybridengine with it: it recomputes every layer in backward)\n\n"
-            + table(["model", "provider", "s (p20–p80)", "tok/s", "floor s", "of floor", f"speed vs {PEER['train_step']}",
-                     "peak GiB torch", "peak GiB nvml"], body) + str(notes))
+    return ("## Train step (per GPU: 4 x 1024 tokens, fwd + bwd + AdamW)\n\nActivation checkpointing: off keeps every "
+            "layer's activations; on recomputes each layer in backward. Speed vs the peer compares rows with the same "
+            "setting.\n\n"
+            + table(["model", "provider", "act. ckpt", "s (p20–p80)", "tok/s", "floor s", "of floor",
+                     f"speed vs {PEER['train_step']}", "peak GiB torch", "peak GiB nvml"], body) + str(notes))
 
 
 def segment_copy_section(rows: list[dict]) -> str:
@@ -912,17 +927,22 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
     tr = [r for r in latest(rows, "train_step") if r["metric"] == "seconds"]
     model = _headline_model([r for r in tr if r["provider"] == "hybridengine"]) or _headline_model(tr)
     dense = [r for r in tr if r["case"].get("layout", "dense") == "dense"]
-    fsdp, ours = pick(dense, provider="fsdp2", model=model), pick(dense, provider="hybridengine", model=model)
-    if ours is not None:
+    ours_rows = [r for r in dense if r["provider"] == "hybridengine" and r["model"] == model]
+    for ours in sorted(ours_rows, key=_ckpt):
+        setting = "on" if _ckpt(ours) else "off"
         for provider, label in (("fsdp2", "FSDP2"), ("deepspeed_zero3", "DeepSpeed ZeRO-3")):
-            p, _ = peer(rows, ours["run_id"], bench="train_step", provider=provider, model=model, metric="seconds")
+            p, _ = _train_peer(rows, ours, provider, any_setting=True)
             if p is not None:
+                sides = (f"activation checkpointing {setting} on both sides" if _ckpt(p) == _ckpt(ours) else
+                         f"activation checkpointing: ours {setting}, peer {'on' if _ckpt(p) else 'off'}")
                 body.append([f"Train step speed vs {label}, {model}, per GPU {ours['case'].get('batch_per_gpu')} x "
-                             f"{ours['case'].get('seq')} tokens (ours with activation checkpointing, peer without)",
+                             f"{ours['case'].get('seq')} tokens, {sides}",
                              dur(ours["value"]), dur(p["value"]),
-                             f"{ratio(p['value'], ours['value'])}x", "–", _where(ours, p)])
-    elif fsdp is not None:
-        ds, _ = peer(rows, fsdp["run_id"], bench="train_step", provider="deepspeed_zero3", model=model, metric="seconds")
+                             f"{ratio(p['value'], ours['value'])}x", ">= 1.1x" if provider == "fsdp2" else "–",
+                             _where(ours, p)])
+    if not ours_rows:
+        fsdp = pick(dense, provider="fsdp2", model=model)
+        ds = fsdp and _train_peer(rows, fsdp, "deepspeed_zero3")[0]
         if ds is not None:
             body.append([f"Train step, {model}, per GPU {fsdp['case'].get('batch_per_gpu')} x {fsdp['case'].get('seq')} "
                          "tokens (peers only; no hybridengine train-step rows): FSDP2 speed vs DeepSpeed ZeRO-3",

@@ -1,8 +1,8 @@
 """hybridengine train step (the `hybridengine` provider of bench `train_step`): one PPO optimizer
 step on the shared buffer, per GPU 4 x 1024 tokens (the peers' workload) and a packed
-variable-length batch of the same token count. Activation checkpointing is always on in the
-engine (every layer recomputed in backward); the case says so, since the peer rows of the
-baselines suite ran with it off.
+variable-length batch of the same token count, each with activation checkpointing off (every
+layer's activations kept, parameters gathered again in backward) and on (every layer recomputed);
+case activation_checkpointing says which, as in the FSDP2 and DeepSpeed rows.
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ def train_step(ctx: Ctx) -> None:
             batch = he.PPOBatch(input_ids=ids, response_mask=[torch.ones(n - 1) for n in lengths],
                                 old_logprobs=[-5 + 0.1 * torch.randn(n - 1, generator=g) for n in lengths],
                                 advantages=[torch.randn(n - 1, generator=g) for n in lengths])
-            ppo = he.PPOConfig(micro_batch_tokens=tokens, lr=1e-6, max_grad_norm=1.0)
-            with ctx.peak() as pm:
-                times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5,
-                                    desc=f"train_step {name}")
-            record_train(ctx, "hybridengine", model, times, pm, layout=name, activation_checkpointing=True)
+            for checkpointing in (False, True):
+                ppo = he.PPOConfig(micro_batch_tokens=tokens, lr=1e-6, max_grad_norm=1.0,
+                                   activation_checkpointing=checkpointing)
+                with ctx.peak() as pm:
+                    times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5,
+                                        desc=f"train_step {name}")
+                record_train(ctx, "hybridengine", model, times, pm, layout=name,
+                             activation_checkpointing=checkpointing)
         del engine

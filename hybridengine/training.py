@@ -48,6 +48,10 @@ class _StepConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    activation_checkpointing: bool = True
+    """True: forward keeps only each layer's input and backward recomputes the layer (least memory).
+    False: forward keeps every layer's autograd activations and backward only gathers the parameters
+    again (no recompute: one layer forward less per layer, activations of all layers held)."""
 
     def _check_step(self, name: str) -> None:
         from .ppo_loss import LOSS_AGGS
@@ -192,6 +196,46 @@ def _micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+class _ReleasedParams:
+    """One layer's parameter leaves over a transient gathered buffer, run with autograd, without
+    autograd keeping that buffer alive (ZeRO-3 with activations kept, as FSDP does it).
+
+    Saved-tensor hooks replace what autograd saves of a parameter (the leaf or a view of it, say
+    its transpose) by (leaf, shape, stride, offset within the leaf); `release` points the leaves at
+    empty tensors so the gathered buffer can be freed; `attach(natural)` points them at a fresh gather
+    before the layer's backward, and unpacking rebuilds each saved view over it.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], natural: torch.Tensor, layout, prefix: str):
+        self.params, self.layout, self.prefix = params, layout, prefix
+        self.storage = natural.untyped_storage().data_ptr()
+        self.spans = [(p.storage_offset(), p.storage_offset() + p.numel(), p) for p in params.values()]
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == self.storage:
+            offset = t.storage_offset()
+            for lo, hi, p in self.spans:
+                if lo <= offset < hi:
+                    return (p, tuple(t.shape), t.stride(), offset - lo)
+        return t
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, tuple):
+            p, shape, stride, rel = packed
+            return p.detach().as_strided(shape, stride, p.storage_offset() + rel)
+        return packed
+
+    def release(self) -> None:
+        for p in self.params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.spans = None
+
+    def attach(self, natural: torch.Tensor) -> None:
+        for name, p in self.params.items():
+            p.data = self.layout.natural_view(natural, self.prefix + name)
+
+
 def _plan_micro_batches(lengths: list[int], max_tokens: int, group) -> list[list[int]]:
     """Micro-batches, the same number on every rank (each one gathers and reduce-scatters every unit,
     so ranks must agree): a rank with fewer splits its largest groups, then pads with empty ones
@@ -260,15 +304,19 @@ class Trainer:
 
     # -- the pieces of the model, on explicit weights ---------------------------------------------------
 
-    def _layer(self, i: int, natural: torch.Tensor, x, cos, sin, attn, grad: bool):
+    def _layer_params(self, i: int, natural: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
+        """Layer i's parameters by their names inside the layer: views of `natural` (leaves with grad)."""
         unit = self.layout.units[self.units[f"layers.{i}"]]
         prefix = f"model.layers.{i}."
         params = {}
         for s in unit.params:
             p = self.layout.natural_view(natural, s.name)
             params[s.name[len(prefix):]] = p.detach().requires_grad_(True) if grad else p
-        out = functional_call(self.skeleton.model.layers[i], params, (x, cos, sin, attn, i))
-        return out, params
+        return params
+
+    def _layer(self, i: int, natural: torch.Tensor, x, cos, sin, attn, grad: bool):
+        params = self._layer_params(i, natural, grad)
+        return functional_call(self.skeleton.model.layers[i], params, (x, cos, sin, attn, i)), params
 
     def _norm(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.skeleton.model.norm, {"weight": weight}, (x,))
@@ -300,6 +348,28 @@ class Trainer:
                 inputs.append(x)
             x, _ = self._layer(i, natural, x, cos, sin, attn, grad=False)
         return x, inputs
+
+    def _forward_layers_with_graphs(self, ids, cos, sin, attn):
+        """Embedding without autograd, then every layer with autograd on its own detached input
+        (backward runs layer by layer); the parameters' storage is released after each layer's
+        forward (`_ReleasedParams`). Returns (final residual stream, [(input, output, slots)] per layer)."""
+        embed_u = self.units["embed"]
+        with torch.no_grad():
+            x = F.embedding(ids, self.layout.natural_view(self.sharded.gather_unit(embed_u), "model.embed_tokens.weight"))
+        graphs = []
+        for i in range(self.config.num_hidden_layers):
+            u = self.units[f"layers.{i}"]
+            self.sharded.prefetch_unit(u + 1)
+            natural = self.sharded.gather_unit(u)
+            xi = x.detach().requires_grad_(True)
+            slots = _ReleasedParams(self._layer_params(i, natural, grad=True), natural, self.layout,
+                                    f"model.layers.{i}.")
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(slots.pack, slots.unpack):
+                out = functional_call(self.skeleton.model.layers[i], slots.params, (xi, cos, sin, attn, i))
+            slots.release()
+            graphs.append((xi, out, slots))
+            x = out.detach()
+        return x, graphs
 
     def _head_weights(self):
         natural = self.sharded.gather_unit(self.units["head"])
@@ -424,7 +494,7 @@ class Trainer:
             share = [sum(live[b] for b in rows) / max(sum(live), 1) for rows in groups]
         totals: dict[str, float] = {}
         for rows, w in zip(groups, share):
-            stats = self._micro_step(batch, rows, w, head_loss)
+            stats = self._micro_step(batch, rows, w, head_loss, cfg.activation_checkpointing)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + w * v
         grad_norm = self._clip_and_step(cfg)
@@ -433,10 +503,14 @@ class Trainer:
                       micro_batches=len(groups), step_s=time.perf_counter() - t0)
         return totals
 
-    def _micro_step(self, batch: PPOBatch, rows: list[int], weight: float, head_loss) -> dict:
+    def _micro_step(self, batch: PPOBatch, rows: list[int], weight: float, head_loss, recompute: bool) -> dict:
         ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
-        with torch.no_grad():
-            x_last, inputs = self._forward_layers(ids, cos, sin, attn, keep_inputs=True)
+        graphs = None
+        if recompute:
+            with torch.no_grad():
+                x_last, inputs = self._forward_layers(ids, cos, sin, attn, keep_inputs=True)
+        else:
+            x_last, graphs = self._forward_layers_with_graphs(ids, cos, sin, attn)
         # Head: recompute with autograd from the final residual stream.
         head_u, embed_u = self.units["head"], self.units["embed"]
         natural_head = self.sharded.gather_unit(head_u)
@@ -461,14 +535,20 @@ class Trainer:
             if i > 0:
                 self.sharded.prefetch_unit(u - 1)
             natural = self.sharded.gather_unit(u)
-            xi = inputs[i].detach().requires_grad_(True)
-            with torch.enable_grad():
-                out, params = self._layer(i, natural, xi, cos, sin, attn, grad=True)
+            if graphs is None:
+                xi = inputs[i].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    out, params = self._layer(i, natural, xi, cos, sin, attn, grad=True)
+                inputs[i] = None
+            else:
+                xi, out, slots = graphs[i]
+                slots.attach(natural)
+                params = slots.params
+                graphs[i] = None
             out.backward(grad_x)
             grad_x = xi.grad
             prefix = f"model.layers.{i}."
             self._reduce(u, {prefix + k: p.grad for k, p in params.items()})
-            inputs[i] = None
         # Embedding: scatter-add of the input gradient rows (+ the LM head's share when tied).
         natural = self.sharded.gather_unit(embed_u)
         weight_shape = self.layout.natural_view(natural, "model.embed_tokens.weight").shape

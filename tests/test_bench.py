@@ -161,7 +161,7 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
                     "## Other benches", "## Not run", "## Runs"):
         assert heading in text
     # Ratios inside run r1: floor 6 * 7.6e9 * 4096 / 790 TFLOP/s = 0.236 s; fsdp2 0.51 s / 1.0 s = 0.51.
-    assert "| qwen2-7b | deepspeed_zero3 | 1.000 (1.000–1.000) | – | 0.236 | 0.24 | 0.51 |" in text
+    assert "| qwen2-7b | deepspeed_zero3 | off | 1.000 (1.000–1.000) | – | 0.236 | 0.24 | 0.51 |" in text
     # 7.6 GB / 263 GB/s (the best all-gather median) = 28.9 ms; fsdp2 52.5 ms / 47.25 ms = 1.11.
     assert "| qwen2-7b | deepspeed_zero3 (phase=gather, tg=1) | 47.2 (45.9–48.6) | 7.60 | 28.9 | 0.61 | 1.11 |" in text
     assert "| layer_unpack | 1 GiB | 10 | hybridengine | 3,000 (3,000–3,000) | 0.73 | 0.75 |" in text

@@ -105,10 +105,10 @@ def reference_run(hf, batches):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def engine_run(hf, batches, rank, tp):
+def engine_run(hf, batches, rank, tp, checkpointing=True):
     engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", tp_generation=tp,
                                                  max_model_len=64, max_num_seqs=4))
-    cfg = he.PPOConfig(**CFG)
+    cfg = he.PPOConfig(**CFG, activation_checkpointing=checkpointing)
     losses = []
     for per_rank in batches:
         stats = engine.ppo_step(he.PPOBatch(**per_rank[rank]), cfg)
@@ -146,11 +146,12 @@ def compare(losses, weights, ref_losses, ref_weights):
         torch.testing.assert_close(w, ref_weights[name], rtol=1e-5, atol=weight_atol(name), msg=lambda m: f"{name}: {m}")
 
 
-def test_single_process_matches_torch_reference():
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_single_process_matches_torch_reference(checkpointing):
     hf = build()
     batches = make_batches(hf, 1)
     ref_losses, ref_weights = reference_run(hf, batches)
-    engine, losses = engine_run(hf, batches, 0, 1)
+    engine, losses = engine_run(hf, batches, 0, 1, checkpointing)
     compare(losses, full_weights(engine), ref_losses, ref_weights)
 
 
@@ -195,10 +196,10 @@ def test_errors():
             engine.log_probs(he.PPOBatch(input_ids=[torch.arange(5)]))
 
 
-def _worker(rank, world, init_file, tp, overrides, batches, ref_losses, ref_weights, errors):
+def _worker(rank, world, init_file, tp, overrides, batches, ref_losses, ref_weights, checkpointing, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        engine, losses = engine_run(build(**overrides), batches, rank, tp)
+        engine, losses = engine_run(build(**overrides), batches, rank, tp, checkpointing)
         compare(losses, full_weights(engine), ref_losses, ref_weights)
         with engine.rollout():  # the optimizer's writes are what generation sees: no sync step
             t = rank // (world // tp)
@@ -214,14 +215,16 @@ def _worker(rank, world, init_file, tp, overrides, batches, ref_losses, ref_weig
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,tp", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)])
-def test_data_parallel_matches_torch_reference(world, tp):
+@pytest.mark.parametrize("world,tp,checkpointing", [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True),
+                                                    (2, 1, False), (4, 2, False)])
+def test_data_parallel_matches_torch_reference(world, tp, checkpointing):
+    """checkpointing False: activations kept, parameters re-gathered in backward (saved-tensor hooks)."""
     # tg = 4 needs 4 KV heads (TP splits whole heads)
     overrides = dict(num_key_value_heads=4) if tp == 4 else {}
     hf = build(**overrides)
     batches = make_batches(hf, world)
     ref_losses, ref_weights = reference_run(hf, batches)
-    spawn(_worker, world, tp, overrides, batches, ref_losses, ref_weights)
+    spawn(_worker, world, tp, overrides, batches, ref_losses, ref_weights, checkpointing)
 
 
 def test_critic_matches_torch_reference():
@@ -269,3 +272,47 @@ def test_critic_matches_torch_reference():
             pass
     with pytest.raises(ValueError, match="role must be 'actor' or 'critic'"):
         he.HybridEngine(hf, role="reward")
+
+
+def test_released_params_never_read_the_old_buffer():
+    """Activation checkpointing off: after the forward, the gathered buffer may be freed and reused
+    (here: overwritten with NaN); backward over a fresh gather gives the plain autograd gradients."""
+    from hybridengine.training import _ReleasedParams
+
+    class Layout:  # natural_view over a flat buffer: name -> (offset, shape)
+        spans = {"l.w1": (0, (8, 4)), "l.w2": (32, (4, 8)), "l.norm": (64, (4,))}
+
+        def natural_view(self, natural, name):
+            offset, shape = self.spans[name]
+            return natural[offset:offset + torch.Size(shape).numel()].view(shape)
+
+    def layer(params, x):
+        h = F.linear(x * params["norm"], params["w1"])
+        return F.linear(torch.nn.functional.silu(h), params["w2"]) + x
+
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    layout, values = Layout(), torch.randn(68, dtype=torch.float64)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    plain = {k[2:]: layout.natural_view(values, k).clone().requires_grad_() for k in layout.spans}
+    layer(plain, x).square().sum().backward()
+
+    natural = values.clone()
+    params = {k[2:]: layout.natural_view(natural, k).detach().requires_grad_() for k in layout.spans}
+    slots = _ReleasedParams(params, natural, layout, "l.")
+    packed = []
+    pack = lambda t: packed.append(slots.pack(t)) or packed[-1]  # noqa: E731
+    xi = x.detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, slots.unpack):
+        out = layer(params, xi)
+    assert sum(isinstance(p, tuple) for p in packed) >= 3  # every weight use was saved by reference
+    assert not any(isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() == natural.untyped_storage().data_ptr()
+                   for p in packed)
+    slots.release()
+    assert all(p.numel() == 0 for p in params.values())
+    natural.fill_(float("nan"))  # the allocator hands the old gather to someone else
+    slots.attach(values.clone())  # the backward's gather
+    out.square().sum().backward()
+    torch.testing.assert_close(xi.grad, x.grad, rtol=0, atol=0)
+    for k, p in params.items():
+        torch.testing.assert_close(p.grad, plain[k].grad, rtol=0, atol=0)
