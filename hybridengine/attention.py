@@ -30,7 +30,7 @@ NO_WINDOW = 2**30
 """Window passed to the kernels when there is none: larger than any context, small enough that
 `position - window` stays inside int32."""
 
-DECODE_MIN_PARTITION = 256
+DECODE_MIN_PARTITION = 128
 """Split-K partitions are at least this many tokens: a partition costs a program's fixed work (load Q,
 write 2 x head_dim + 2 floats per head) and a share of the reduce kernel."""
 DECODE_MAX_SPLITS = 512
@@ -39,8 +39,14 @@ DECODE_REDUCE_BLOCK_D = 32
 """head_dim slice per program of the split-K merge kernel."""
 DECODE_REDUCE_CHUNK = 64
 """Partitions merged per load by the split-K merge kernel ([64, 32] fp32 tile: 16 values a thread at 4 warps)."""
-DECODE_TARGET_WAVES = 2
-"""Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 2 x SMs)."""
+DECODE_TARGET_WAVES = 4
+"""Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 4 x SMs). H200
+sweep (bench/results, 2026-11-30, Qwen2-7B heads): B = 16 at 4k 57 -> 51 us and at 16k 186 -> 156 us
+going from 2 to 4-8 waves; B = 1 at 16k best with 128 partitions of 128 tokens (21.9 us)."""
+DECODE_SPLIT_BELOW = 0.5
+"""No split while B * num_kv_heads >= this fraction of the SMs: the plan is fixed at CUDA-graph capture
+for the cache's capacity, so at decode batch sizes (B = 64, 2 kv heads: 128 programs) a split would
+mostly add empty partitions and the merge kernel."""
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -280,14 +286,15 @@ def num_sms(device: torch.device) -> int:
 def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """How many context partitions split-K decode uses (1: no split).
 
-    One program per (sequence, kv head) already fills the GPU when B * num_kv_heads >= num_sms; below
-    that, split each context until about DECODE_TARGET_WAVES programs per SM run, keeping partitions
-    >= DECODE_MIN_PARTITION tokens. Qwen2-7B per GPU (4 kv heads) on an H200 (132 SMs): B >= 33 does
-    not split; B = 16 splits in 5 (contexts > 1024); B = 1, 16k splits in 64 partitions of 256.
+    One program per (sequence, kv head) is enough when B * num_kv_heads >= DECODE_SPLIT_BELOW x
+    num_sms; below that, split each context until about DECODE_TARGET_WAVES programs per SM run,
+    keeping partitions >= DECODE_MIN_PARTITION tokens. Qwen2-7B per GPU (4 kv heads) on an H200
+    (132 SMs): B >= 17 does not split; B = 16 splits in 9 (contexts >= 1152); B = 1, 16k splits in
+    128 partitions of 128.
     Depends on host integers only, so a CUDA graph captured at a given (B, max_context_len) stays valid.
     """
     programs = batch * num_kv_heads
-    if programs == 0 or programs >= num_sms:
+    if programs == 0 or programs >= DECODE_SPLIT_BELOW * num_sms:
         return 1
     want = math.ceil(DECODE_TARGET_WAVES * num_sms / programs)
     return max(1, min(want, math.ceil(max_context_len / DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))

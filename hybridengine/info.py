@@ -56,7 +56,10 @@ def info() -> str:
         "implementations:",
     ]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    from . import attention, fused
+
     for dev in devices:
-        for op, impl in ops.implementations(dev).items():
-            lines.append(f"  {op:<16} {dev:<5} {impl}")
+        for source in (ops, attention, fused):
+            for op, impl in source.implementations(dev).items():
+                lines.append(f"  {op:<22} {dev:<5} {impl}")
     return "\n".join(lines)

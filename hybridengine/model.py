@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused
 from .buffer import FlatParamBuffer
 from .layout import param_specs
 
@@ -237,7 +238,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window:
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps = eps
+        self.eps = float(eps)
         self.weight = nn.Parameter(torch.empty(dim, device="meta"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -285,6 +286,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        if getattr(attn, "fused", False):  # rollout: the fused kernels (hybridengine.fused)
+            if self.q_norm is not None:
+                q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+                k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q, k = fused.rope(q, k, cos, sin)
+            out = attn.attend(layer_idx, q, k, v, self.sliding_window)
+            return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -322,6 +330,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
+        if getattr(attn, "fused", False):  # rollout: residual add + norm, rope and SiLU * up fused
+            norm1, norm2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
+            a = self.self_attn.forward_paged(fused.rms_norm(x, norm1.weight, norm1.eps), cos, sin, attn, layer_idx)
+            h, x = fused.rms_norm(a, norm2.weight, norm2.eps, residual=x)
+            return x + mlp.down_proj(fused.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
         x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, attn, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -401,6 +414,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_paged(x, cos, sin, attn, i)
+        if getattr(attn, "fused", False):
+            return fused.rms_norm(x, self.model.norm.weight, self.model.norm.eps)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,8 @@ class AttentionMetadata:
     max_seqlen: int = 0
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    fused: bool = False
+    """The model's paged forward uses the fused elementwise kernels (hybridengine.fused): set on CUDA."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None) -> torch.Tensor:
@@ -73,6 +75,7 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.max_blocks = math.ceil(max_model_len / self.block_size)
         self.scale = model.config.head_dim ** -0.5
+        self.fused = self.device.type == "cuda"  # the fused elementwise kernels (hybridengine.fused) on GPU
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
         self.graph_capture_s = 0.0
         # Decode inputs are written on the host into one of two staging buffers (pinned on CUDA) and
@@ -114,7 +117,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             last.append(cu[-1] - 1)
         meta = AttentionMetadata(self.kv, True, self._tensor(slots), self.scale, cu_seqlens=self._tensor(cu, torch.int32),
-                                 max_seqlen=max(s.num_tokens for s in seqs))
+                                 max_seqlen=max(s.num_tokens for s in seqs), fused=self.fused)
         hidden = self.model.hidden_states_paged(self._tensor(ids), self._tensor(positions), meta)
         return self.model.compute_logits(hidden[self._tensor(last)]).float()
 
@@ -201,7 +204,7 @@ class ModelRunner:
 
     def _decode_forward(self, inp: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = AttentionMetadata(self.kv, False, inp["slots"], self.scale, context_lens=inp["lens"],
-                                 block_tables=inp["tables"])
+                                 block_tables=inp["tables"], fused=self.fused)
         return self.model.compute_logits(self.model.hidden_states_paged(inp["ids"], inp["positions"], meta))
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:

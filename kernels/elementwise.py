@@ -1,0 +1,98 @@
+"""Triton kernels of the rollout forward's elementwise steps: residual add + RMSNorm, rotary
+embedding of q and k, SiLU(gate) * up.
+
+Each replaces a chain of eager torch kernels (RMSNorm alone is seven: cast, square, mean, add,
+rsqrt, multiply, cast, scale) with one pass, and rounds where eager torch rounds, so the outputs
+are those of the module code in hybridengine.model up to the order of one fp32 sum (RMSNorm) and
+the fp32 exp (SiLU). The launchers, checks and plain-torch references are in
+`hybridengine.fused`.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 -> dtype, round to nearest even (torch's rounding). For bf16 the rounding is done on the
+    bits, then the cast is exact: the Triton interpreter's bf16 cast truncates, and the tests compare
+    bit for bit. NaN payloads may change; NaN stays NaN."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def rms_norm_kernel(
+    X, Residual, W, Y, Residual_out,
+    stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row: h = x (+ residual, rounded to the dtype and stored as the new residual),
+    y = w * (h * rsqrt(mean(h^2) + eps)) with the normalisation in fp32, cast to the dtype before the
+    scale by w (HF's order of rounding)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(Residual + row * stride_r + cols, mask=ok, other=0.0)
+        h = _round(h.to(tl.float32) + r.to(tl.float32), h.dtype)
+        tl.store(Residual_out + row * stride_ro + cols, h, mask=ok)
+    h32 = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, 0) / n_cols + eps)
+    normed = _round(h32 * rstd, h.dtype)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    tl.store(Y + row * stride_y + cols, _round(w.to(tl.float32) * normed.to(tl.float32), h.dtype), mask=ok)
+
+
+@triton.jit
+def rope_kernel(
+    Q, K, Cos, Sin,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """One program per token, in place over all its q and k heads (HF half-split layout):
+    x1' = x1 * cos1 - x2 * sin1, x2' = x2 * cos2 + x1 * sin2, each product and the sum rounded to
+    the dtype as eager `x * cos + rotate_half(x) * sin` rounds them."""
+    token = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_ok = d < HALF
+    cos1 = tl.load(Cos + token * stride_ct + d, mask=d_ok, other=0.0)
+    cos2 = tl.load(Cos + token * stride_ct + HALF + d, mask=d_ok, other=0.0)
+    sin1 = tl.load(Sin + token * stride_st + d, mask=d_ok, other=0.0)
+    sin2 = tl.load(Sin + token * stride_st + HALF + d, mask=d_ok, other=0.0)
+    h = tl.arange(0, BLOCK_H)
+    for which in tl.static_range(2):
+        if which == 0:
+            base, stride_t, stride_h, heads = Q, stride_qt, stride_qh, NUM_Q_HEADS
+        else:
+            base, stride_t, stride_h, heads = K, stride_kt, stride_kh, NUM_K_HEADS
+        ok = (h[:, None] < heads) & d_ok[None, :]
+        ptr = base + token * stride_t + h[:, None] * stride_h + d[None, :]
+        x1 = tl.load(ptr, mask=ok, other=0.0)
+        x2 = tl.load(ptr + HALF, mask=ok, other=0.0)
+        dt = x1.dtype
+        a1 = _round(x1.to(tl.float32) * cos1[None, :].to(tl.float32), dt)
+        b1 = _round(-x2.to(tl.float32) * sin1[None, :].to(tl.float32), dt)
+        a2 = _round(x2.to(tl.float32) * cos2[None, :].to(tl.float32), dt)
+        b2 = _round(x1.to(tl.float32) * sin2[None, :].to(tl.float32), dt)
+        tl.store(ptr, _round(a1.to(tl.float32) + b1.to(tl.float32), dt), mask=ok)
+        tl.store(ptr + HALF, _round(a2.to(tl.float32) + b2.to(tl.float32), dt), mask=ok)
+
+
+@triton.jit
+def silu_mul_kernel(Gate, Up, Out, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr):
+    """Grid (rows, column blocks): out = silu(gate) * up, silu rounded to the dtype first (as eager)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(Gate + row * stride_g + cols, mask=ok, other=0.0)
+    u = tl.load(Up + row * stride_u + cols, mask=ok, other=0.0)
+    g32 = g.to(tl.float32)
+    act = _round(g32 / (1.0 + tl.exp(-g32)), g.dtype)
+    tl.store(Out + row * stride_o + cols, _round(act.to(tl.float32) * u.to(tl.float32), g.dtype), mask=ok)

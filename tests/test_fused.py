@@ -1,0 +1,126 @@
+"""The fused rollout elementwise kernels (hybridengine.fused) against their plain-torch references,
+under the Triton interpreter on CPU and on the GPU; and the model's fused paged forward against the
+eager one.
+
+Tolerances: the kernels round where eager torch rounds, so they differ only where one fp32
+operation differs in the last bit (RMSNorm's sum of squares in another order, SiLU's exp): after
+rounding to the dtype that is at most one unit in the last place of the output, so the bound is
+one ulp of the dtype at that point; where a second rounding follows (RMSNorm's scale by the weight,
+the product with up), the output may differ by one more, so those ops are held to 2 ulp of the
+output's magnitude (|x| * eps bounds one ulp at x). Copies and single roundings are exact.
+"""
+
+import pytest
+import torch
+
+from hybridengine import fused
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of x's dtype at |x| (fp32 tensor)."""
+    eps = torch.finfo(x.dtype).eps
+    tiny = torch.finfo(x.dtype).tiny
+    return (x.float().abs() * eps).clamp_min(tiny)
+
+
+def assert_within_ulp(out: torch.Tensor, ref: torch.Tensor, ulps: float = 1.0) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    err = (out.float() - ref.float()).abs()
+    bound = ulps * ulp(ref) * 1.001
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {err.max().item():.3g} exceeds {ulps} ulp (worst ratio {worst:.3g})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 96), (5, 1536)])
+def test_rms_norm_kernel(device, dtype, rows, cols):
+    g = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, generator=g) * 3).to(dtype).to(device)
+    r = torch.randn(rows, cols, generator=g).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype).to(device)
+    assert_within_ulp(fused.rms_norm_triton(x, w, 1e-6), fused.rms_norm_ref(x, w, 1e-6), ulps=2.0)
+    y, h = fused.rms_norm_triton(x, w, 1e-6, residual=r)
+    y_ref, h_ref = fused.rms_norm_ref(x, w, 1e-6, residual=r)
+    assert torch.equal(h, h_ref)  # the residual sum is one rounding, as in torch
+    assert_within_ulp(y, y_ref, ulps=2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hq,hk,d", [(1, 4, 2, 64), (9, 7, 1, 32), (5, 12, 2, 128)])
+def test_rope_kernel_is_exact(device, dtype, tokens, hq, hk, d):
+    """Each product and the sum round once, as eager: the rotation is bit for bit the reference's."""
+    g = torch.Generator().manual_seed(tokens * hq)
+    q = torch.randn(tokens, hq, d, generator=g).to(dtype).to(device)
+    k = torch.randn(tokens, hk, d, generator=g).to(dtype).to(device)
+    angle = torch.rand(tokens, d // 2, generator=g) * 100
+    cos = torch.cat([angle.cos()] * 2, -1).to(dtype).to(device)
+    sin = torch.cat([angle.sin()] * 2, -1).to(dtype).to(device)
+    q_ref, k_ref = fused.rope_ref(q, k, cos, sin)
+    q_out, k_out = fused.rope_triton_(q.clone(), k.clone(), cos, sin)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (6, 200), (3, 8960)])
+def test_silu_mul_kernel(device, dtype, rows, cols):
+    g = torch.Generator().manual_seed(rows + cols)
+    gate = (torch.randn(rows, cols, generator=g) * 4).to(dtype).to(device)
+    up = torch.randn(rows, cols, generator=g).to(dtype).to(device)
+    # bf16/fp16: silu rounds once and the product once, 1 ulp from each. fp32 has no coarse rounding
+    # to absorb the exp's own error: two exp implementations differ by up to 2 fp32 ulp, and 1 + e and
+    # the division add one each, so 4.
+    ulps = 4.0 if dtype == torch.float32 else 2.0
+    assert_within_ulp(fused.silu_mul_triton(gate, up), fused.silu_mul_ref(gate, up), ulps=ulps)
+
+
+def test_zero_rows(device):
+    x = torch.empty(0, 64, device=device)
+    w = torch.ones(64, device=device)
+    assert fused.rms_norm_triton(x, w, 1e-6).shape == (0, 64)
+    assert fused.silu_mul_triton(x, x).shape == (0, 64)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w: fused.rms_norm_triton(x[0], w, 1e-6), "x must be a 2-D"),
+    (lambda x, w: fused.rms_norm_triton(x.double(), w, 1e-6), "x must be bf16, fp16 or fp32"),
+    (lambda x, w: fused.rms_norm_triton(x.t(), w, 1e-6), "x must have unit stride"),
+    (lambda x, w: fused.rms_norm_triton(x, w[:3], 1e-6), r"weight must be \[8\]"),
+    (lambda x, w: fused.rms_norm_triton(x, w, 0.0), "eps must be a float > 0"),
+    (lambda x, w: fused.rms_norm_triton(x, w, 1e-6, residual=x[:2]), r"residual must be \(8, 8\)"),
+    (lambda x, w: fused.silu_mul_triton(x, x[:, :4]), "up has 4 columns, expected 8"),
+    (lambda x, w: fused.rope_triton_(x[None], x[None], w, w), r"cos must be \[1, 8\]"),
+    (lambda x, w: fused.rope_triton_(x[None, :, :7], x[None, :, :7], x[:1, :7], x[:1, :7]), "head_dim must be even"),
+])
+def test_bad_input(device, call, match):
+    x = torch.randn(8, 8, device=device)
+    w = torch.ones(8, device=device)
+    with pytest.raises(ValueError, match=match):
+        call(x, w)
+
+
+def test_model_fused_paged_forward_matches_eager(device, monkeypatch):
+    """The model's paged forward with the fused path (fused=True, the Triton kernels: under the
+    interpreter on CPU) against the eager module code, on a tiny Qwen3 (q/k norms) and Qwen2 (q/k/v
+    biases), fp32: logits within a few fp32 ulps of accumulated elementwise differences."""
+    import hybridengine as he
+    from hybridengine.runner import AttentionMetadata, KVCache
+
+    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
+    for name in ("tiny-qwen3", "tiny-qwen2"):
+        torch.manual_seed(0)
+        model = he.load_model(he.model_config(name), dtype=torch.float32, device=device)
+        c = model.config
+        kv = KVCache(num_layers=c.num_hidden_layers, num_blocks=8, block_size=4, num_kv_heads=c.num_key_value_heads,
+                     head_dim=c.head_dim, dtype=torch.float32, device=device)
+        ids = torch.randint(0, c.vocab_size, (11,), device=device)
+        cu = torch.tensor([0, 5, 11], dtype=torch.int32, device=device)
+        positions = torch.cat([torch.arange(5), torch.arange(6)]).to(device)
+        slots = torch.cat([torch.arange(5), 8 + torch.arange(6)]).to(device)
+        outs = []
+        for use_fused in (False, True):
+            meta = AttentionMetadata(kv, True, slots, c.head_dim ** -0.5, cu_seqlens=cu, max_seqlen=6, fused=use_fused)
+            with torch.inference_mode():
+                outs.append(model.compute_logits(model.hidden_states_paged(ids, positions, meta)))
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
