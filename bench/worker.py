@@ -60,6 +60,8 @@ DEFAULT_MODELS = {"smoke": ["tiny-qwen2"]}
 def run(suite: str, *, models: list[str], scale: float, out: Path, run_id: str, cpu: bool) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    for name, value in (("WORLD_SIZE", world), ("RANK", rank), ("LOCAL_RANK", 0)):  # one process without
+        os.environ.setdefault(name, str(value))  # torchrun: DeepSpeed reads these
     use_cuda = torch.cuda.is_available() and not cpu and suite != "smoke"  # smoke: the CPU harness check
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:

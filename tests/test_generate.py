@@ -331,3 +331,21 @@ def test_cuda_graph_decode_equals_eager_decode():
         for a, b in zip(graphed.outputs, eager.outputs):
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_rollout_exit_releases_kv_cache_and_graphs(device):
+    """Leaving rollout() frees the KV cache and the CUDA graphs' memory: allocated and reserved bytes
+    return to their level before the rollout (training gets that memory back)."""
+    engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
+        dtype=torch.bfloat16, device=str(device), max_model_len=128, max_num_seqs=8, num_kv_blocks=4096))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    with engine.rollout():
+        engine.generate([[1, 2, 3]] * 4, he.SamplingParams(max_tokens=8))
+        kv_bytes = engine._runner.kv.nbytes()
+        assert torch.cuda.memory_allocated() - before >= kv_bytes
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 2**20
+    assert torch.cuda.memory_reserved() - reserved_before < kv_bytes // 2
