@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -260,6 +261,10 @@ class HybridEngine:
         finally:
             self._runner = None
             if self.device.type == "cuda":
+                # The CUDA graphs' private memory pool goes back to the allocator once the graphs are
+                # destroyed and nothing is in flight; then the KV cache and the pool leave the process.
+                torch.cuda.synchronize(self.device)
+                gc.collect()
                 torch.cuda.empty_cache()
             if self.sharded.state == "generation":
                 self.sharded.switch_to_training()

@@ -329,6 +329,8 @@ class Trainer:
         self.head_name = "score.weight" if self.critic else "model.embed_tokens.weight" if self.tied else "lm_head.weight"
         self.grads = [torch.zeros(u.shard_numel, dtype=torch.float32, device=self.device) for u in self.layout.units]
         self._decay, self._replicated = self._masks()
+        # Where the replicated copies sit in each shard (few elements: norms and biases), for the grad norm.
+        self._replicated_index = [r.nonzero().squeeze(1) for r in self._replicated]
         self._opt_config = optimizer_config or PPOConfig()
         c = self._opt_config
         self.optimizer = FlatAdamW(sharded.shard_views(), self._decay, lr=c.lr, betas=c.betas, eps=c.eps,
@@ -644,13 +646,17 @@ class Trainer:
     def _clip_and_step(self, cfg: PPOConfig) -> float:
         # Replicated parameters have one copy per TP slice, each in some rank's shard: count 1/tg of each.
         tg = self.layout.tp_size
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g, rep in zip(self.grads, self._replicated):
-            g2 = g.double().square()
-            sq += g2[~rep].sum() + g2[rep].sum() / tg
+        # Sum of squares in one pass over each shard (fp32 norm, as torch's clip_grad_norm_), minus the
+        # surplus of the replicated copies: (1 - 1/tg) of their squares. No fp64 copy of the gradients.
+        norms = [torch.linalg.vector_norm(g).double() for g in self.grads]
+        sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=self.device)
+        if tg > 1:
+            for g, index in zip(self.grads, self._replicated_index):
+                if index.numel():
+                    sq = sq - (1 - 1 / tg) * torch.linalg.vector_norm(g[index]).double().square()
         if not self.sharded.local and self.sharded.world_size > 1:
             dist.all_reduce(sq, group=self.sharded.group)
-        norm = math.sqrt(float(sq))
+        norm = math.sqrt(max(float(sq), 0.0))
         scale = 1.0
         if cfg.max_grad_norm is not None and norm > cfg.max_grad_norm:
             scale = cfg.max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient

@@ -347,5 +347,7 @@ def test_gpu_rollout_exit_releases_kv_cache_and_graphs(device):
         kv_bytes = engine._runner.kv.nbytes()
         assert torch.cuda.memory_allocated() - before >= kv_bytes
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - before < 2**20
-    assert torch.cuda.memory_reserved() - reserved_before < kv_bytes // 2
+    numbers = (f"allocated {before} -> {torch.cuda.memory_allocated()}, reserved {reserved_before} -> "
+               f"{torch.cuda.memory_reserved()}, KV {kv_bytes}")
+    assert torch.cuda.memory_allocated() - before < 2**20, numbers
+    assert torch.cuda.memory_reserved() - reserved_before < kv_bytes // 2, numbers
