@@ -486,10 +486,11 @@ def _ckpt(r: dict) -> bool:
 
 
 def _train_peer(rows: list[dict], r: dict, provider: str, any_setting: bool = False) -> tuple[dict | None, bool]:
-    """The peer's dense train-step row at r's activation-checkpointing setting (any setting with
-    `any_setting`, when none matches), same run preferred."""
+    """The peer's dense train-step row on as many GPUs as r, at r's activation-checkpointing setting
+    (any setting with `any_setting`, when none matches), same run preferred."""
     cands = [x for x in rows if x["bench"] == "train_step" and x["provider"] == provider and x["model"] == r["model"]
-             and x["metric"] == "seconds" and x["case"].get("layout", "dense") == "dense"]
+             and x["metric"] == "seconds" and x["case"].get("layout", "dense") == "dense"
+             and x["num_gpus"] == r["num_gpus"]]  # data parallelism changes the per-GPU step: same GPU count
     matching = [x for x in cands if _ckpt(x) == _ckpt(r)]
     cands = matching or (cands if any_setting else [])
     same = [x for x in cands if x["run_id"] == r["run_id"]]
