@@ -197,7 +197,7 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
                  "3,300 GB/s | 0.85 (0.85–0.85) | – | 2 x H200, r1 |",
                  "| Rollout tok/s per GPU / DeepSpeed gather-once, qwen2-7b, 64 prompts x 128 new tokens per GPU | "
                  "2,700 tok/s | 450 tok/s | 6.00x | – | 1 x H200, r2; deepspeed_gather_once: other run r1 (2 GPUs) |",
-                 "| Decode step / its floor (weights + KV bytes at HBM bandwidth), qwen2-7b, 64 sequences | 6.00 ms | "
+                 "| Decode step / its floor (weights + KV bytes at HBM bandwidth), qwen2-7b, 64 sequences at mean context 192 | 6.00 ms | "
                  "4.00 ms | 1.50 | <= 1.5 | 1 x H200, r2 |",
                  "| 200 ms (2.00 GiB) | 300 ms (90.0 GiB) | 1.50x | – | 1 x H200, r2 |"):
         assert line in new, line
