@@ -576,11 +576,11 @@ class Trainer:
         (loss * (weight / self.sharded.world_size)).backward()
         grad_x = x.grad
         head_grads = {"model.norm.weight": norm_w.grad}
-        embed_grad = None
-        if self.tied:
-            embed_grad = head_w.grad.float()
+        if self.tied:  # the LM head's share of the embedding gradient goes out now, not held through backward
+            self._reduce(embed_u, {"model.embed_tokens.weight": head_w.grad})
         else:
             head_grads[self.head_name] = head_w.grad
+        del head_w
         self._reduce(head_u, head_grads)
         # Layers in reverse: gather again, recompute with autograd, backpropagate, reduce-scatter.
         for i in reversed(range(self.config.num_hidden_layers)):
@@ -602,14 +602,10 @@ class Trainer:
             grad_x = xi.grad
             prefix = f"model.layers.{i}."
             self._reduce(u, {prefix + k: p.grad for k, p in params.items()})
-        # Embedding: scatter-add of the input gradient rows (+ the LM head's share when tied).
-        natural = self.sharded.gather_unit(embed_u)
-        weight_shape = self.layout.natural_view(natural, "model.embed_tokens.weight").shape
-        g_embed = torch.zeros(weight_shape, dtype=torch.float32, device=self.device)
-        g_embed.index_add_(0, ids, grad_x.float())
-        if embed_grad is not None:
-            g_embed += embed_grad
-        self._reduce(embed_u, {"model.embed_tokens.weight": g_embed})
+        # Embedding: scatter-add of the input gradient rows, straight into the unit's natural fp32 gradient.
+        natural = self._natural_grad(embed_u)
+        self.layout.natural_view(natural, "model.embed_tokens.weight").index_add_(0, ids, grad_x.float())
+        self._reduce(embed_u, natural=natural)
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
     @torch.no_grad()
@@ -631,14 +627,21 @@ class Trainer:
                 out[b, :n] = v[i, :n].float()
         return out
 
-    def _reduce(self, u: int, grads: dict[str, torch.Tensor]) -> None:
-        """Natural-layout fp32 gradients of unit u -> summed over ranks into this rank's grad shard."""
+    def _natural_grad(self, u: int) -> torch.Tensor:
+        """A zeroed fp32 natural-layout gradient buffer of unit u (write with `natural_view`)."""
         unit = self.layout.units[u]
-        natural = torch.zeros(unit.numel if self.layout.tp_size == 1 else unit.natural_numel, dtype=torch.float32,
-                              device=self.device)
-        for name, g in grads.items():
-            if g is not None:
-                self.layout.natural_view(natural, name).copy_(g)
+        return torch.zeros(unit.numel if self.layout.tp_size == 1 else unit.natural_numel, dtype=torch.float32,
+                           device=self.device)
+
+    def _reduce(self, u: int, grads: dict[str, torch.Tensor] | None = None, natural: torch.Tensor | None = None) -> None:
+        """Natural-layout fp32 gradients of unit u (by name, or an already filled `_natural_grad` buffer)
+        -> summed over ranks and added into this rank's grad shard."""
+        unit = self.layout.units[u]
+        if natural is None:
+            natural = self._natural_grad(u)
+            for name, g in grads.items():
+                if g is not None:
+                    self.layout.natural_view(natural, name).copy_(g)
         out = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
         self.sharded.reduce_scatter_grad(u, natural, out)
         self.grads[u] += out
