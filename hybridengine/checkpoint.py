@@ -64,7 +64,7 @@ def save(engine, path: str | os.PathLike) -> None:
         tmp.mkdir()
     _barrier(engine)
     sharded = engine.sharded
-    opt = engine._training.optimizer if engine._training is not None else None
+    opt = engine._training._optimizer if engine._training is not None else None
     optimizer = None
     if opt is not None:
         sd = opt.state_dict()

@@ -186,11 +186,11 @@ class HybridEngine:
         gib = 2**30
         rep = dict(parameters_mapped=self.sharded.gen.mapped_bytes() / gib,
                    parameters_shard=self.sharded.layout.shard_numel * self.sharded.layout.element_size / gib)
-        if self._training is not None:
-            opt = self._training.optimizer
-            tensors = opt.exp_avg + opt.exp_avg_sq + (opt.master or [])
-            rep["optimizer"] = sum(t.numel() * t.element_size() for t in tensors) / gib
-            rep["gradients"] = sum(g.numel() * g.element_size() for g in self._training.grads) / gib
+        opt = self._training._optimizer if self._training is not None else None
+        grads = self._training._grads if self._training is not None else None
+        tensors = [] if opt is None else opt.exp_avg + opt.exp_avg_sq + (opt.master or [])
+        rep["optimizer"] = sum(t.numel() * t.element_size() for t in tensors) / gib  # 0 before the first step
+        rep["gradients"] = sum(g.numel() * g.element_size() for g in grads or []) / gib
         rep["kv_cache"] = self._runner.kv.nbytes() / gib if self._runner is not None else 0.0
         if self.device.type == "cuda":
             rep["torch_allocated"] = torch.cuda.memory_allocated(self.device) / gib
@@ -278,6 +278,9 @@ class HybridEngine:
             num_blocks = c.num_kv_blocks
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            # Blocks torch's allocator holds but no tensor uses are free for the cache too (the driver
+            # counts them as used: after a previous engine or rollout they can be most of the GPU).
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             # Leave room for activations of the largest prefill step and the logits of a decode step.
             reserve = 2 * c.max_num_batched_tokens * max(m.hidden_size, m.intermediate_size) * 4 \
                 + c.max_num_seqs * m.vocab_size * 4 * 2

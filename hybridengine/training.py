@@ -314,8 +314,6 @@ class Trainer:
     """Forward/backward and the optimizer of one rank, over a ShardedBuffer."""
 
     def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None):
-        from .optim import FlatAdamW
-
         self.sharded, self.config = sharded, config
         self.layout = sharded.layout
         self.device = sharded.device
@@ -327,14 +325,33 @@ class Trainer:
         self.critic = config.value_head
         self.tied = config.tie_word_embeddings and not self.critic
         self.head_name = "score.weight" if self.critic else "model.embed_tokens.weight" if self.tied else "lm_head.weight"
-        self.grads = [torch.zeros(u.shard_numel, dtype=torch.float32, device=self.device) for u in self.layout.units]
         self._decay, self._replicated = self._masks()
         # Where the replicated copies sit in each shard (few elements: norms and biases), for the grad norm.
         self._replicated_index = [r.nonzero().squeeze(1) for r in self._replicated]
         self._opt_config = optimizer_config or PPOConfig()
-        c = self._opt_config
-        self.optimizer = FlatAdamW(sharded.shard_views(), self._decay, lr=c.lr, betas=c.betas, eps=c.eps,
-                                   weight_decay=c.weight_decay)
+        # Gradients (4 B/param) and AdamW state (12 B/param with fp32 master weights) appear at the first
+        # optimizer step: an engine that only scores (a reference model's log_probs) never holds them.
+        self._grads: list[torch.Tensor] | None = None
+        self._optimizer: FlatAdamW | None = None
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """fp32 gradient shard per unit (allocated on first use)."""
+        if self._grads is None:
+            self._grads = [torch.zeros(u.shard_numel, dtype=torch.float32, device=self.device)
+                           for u in self.layout.units]
+        return self._grads
+
+    @property
+    def optimizer(self):
+        """The FlatAdamW over this rank's shards (allocated on first use)."""
+        from .optim import FlatAdamW
+
+        if self._optimizer is None:
+            c = self._opt_config
+            self._optimizer = FlatAdamW(self.sharded.shard_views(), self._decay, lr=c.lr, betas=c.betas, eps=c.eps,
+                                        weight_decay=c.weight_decay)
+        return self._optimizer
 
     # -- masks over the flat shards ------------------------------------------------------------------
 

@@ -338,3 +338,19 @@ def test_gpu_packed_attention_varlen_matches_per_sequence(device, window):
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+
+
+def test_scoring_engine_holds_no_optimizer_state():
+    """log_probs alone (a reference model) allocates neither gradients nor AdamW state; the first step does."""
+    engine = he.HybridEngine(build(), he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=64))
+    batch = he.PPOBatch(input_ids=[torch.arange(6), torch.arange(4)])
+    engine.log_probs(batch)
+    report = engine.memory_report()
+    assert report["optimizer"] == 0 and report["gradients"] == 0
+    assert engine._training._optimizer is None and engine._training._grads is None
+    engine.ppo_step(he.PPOBatch(input_ids=batch.input_ids, response_mask=[torch.ones(5), torch.ones(3)],
+                                old_logprobs=[torch.zeros(5), torch.zeros(3)], advantages=[torch.ones(5), torch.ones(3)]))
+    report = engine.memory_report()
+    numel = engine.sharded.layout.shard_numel
+    assert report["gradients"] * 2**30 == pytest.approx(4 * numel, rel=0.01)
+    assert report["optimizer"] * 2**30 >= 8 * numel
