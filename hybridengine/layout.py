@@ -210,6 +210,8 @@ class ShardedLayout:
     unit_index: dict[str, int] = field(init=False)
     gen_offsets: list[int] = field(init=False)
     """Offset of each unit's slice in a rank's generation buffer G."""
+    _by_name: dict = field(init=False, repr=False, compare=False)
+    """name -> (spec, unit, gen offset): `natural_view` runs ~40 times per layer per training step."""
 
     def __post_init__(self):
         for arg in ("world_size", "tp_size", "element_size", "align_bytes", "shard_align_bytes"):
@@ -256,6 +258,7 @@ class ShardedLayout:
                                          pieces, slice_numel, slice_numel // m))
             self.gen_offsets.append(gen)
             gen += slice_numel
+        self._by_name = {s.name: (s, u, g) for u, g in zip(self.units, self.gen_offsets) for s in u.params}
 
     @property
     def num_shards(self) -> int:
@@ -293,11 +296,10 @@ class ShardedLayout:
         return unit_buffer[start:start + spec.numel].view(spec.shape)
 
     def _find(self, name: str) -> tuple[ParamSpec, UnitLayout, int]:
-        for u, g in zip(self.units, self.gen_offsets):
-            for s in u.params:
-                if s.name == name:
-                    return s, u, g
-        raise KeyError(f"parameter {name!r} is not in this layout")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"parameter {name!r} is not in this layout") from None
 
 
 def param_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], head_dim: int | None = None) -> list[ParamSpec]:

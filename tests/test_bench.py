@@ -38,16 +38,22 @@ def check_row(row: dict) -> None:
         assert row["p20"] <= row["value"] <= row["p80"], row
 
 
-def test_smoke_suite_rows(tmp_path):
+def run_suite(tmp_path: Path, suite: str, scale: float, timeout: int) -> list[dict]:
+    """`python -m bench run --suite S --cpu` in a subprocess; its rows, each checked against the schema."""
     out = tmp_path / "rows.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HE_COMMIT": "test"}
     env.pop("HE_BENCH_RUN_ID", None)
-    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", "smoke", "--scale", "0.2", "--cpu",
-                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", suite, "--scale", str(scale), "--cpu",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     for row in rows:
         check_row(row)
+    return rows
+
+
+def test_smoke_suite_rows(tmp_path):
+    rows = run_suite(tmp_path, "smoke", 0.2, 120)
     assert len({r["run_id"] for r in rows}) == 1
     failed = [r["case"]["reason"] for r in rows if r["metric"] == "not_run" and r["case"]["reason"].startswith("failed")]
     assert not failed, failed
@@ -60,15 +66,7 @@ def test_smoke_suite_rows(tmp_path):
 
 def test_ppo_e2e_suite_rows_on_cpu(tmp_path):
     """The whole-step bench on a tiny model: per-phase rows that add up to the step, both token counts."""
-    out = tmp_path / "rows.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HE_COMMIT": "test"}
-    env.pop("HE_BENCH_RUN_ID", None)
-    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", "ppo_e2e", "--scale", "0.5", "--cpu",
-                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    for row in rows:
-        check_row(row)
+    rows = run_suite(tmp_path, "ppo_e2e", 0.5, 180)
     ours = [r for r in rows if r["provider"] == "hybridengine"]
     assert ours and all(r["bench"] == "ppo_e2e" for r in ours)
     step = next(r for r in ours if r["metric"] == "seconds" and "phase" not in r["case"])
