@@ -193,6 +193,26 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_mul_triton(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])).view(shape)
 
 
+# --------------------------------------------------------------------------------------------
+# weights that lie back to back
+
+
+def stacked_rows(*weights: torch.Tensor) -> torch.Tensor | None:
+    """One [sum of rows, cols] view over 2-D weights stored back to back (the flat buffer keeps a
+    layer's gate_proj and up_proj adjacent), so one GEMM computes both; None where they are not
+    adjacent, contiguous, of one dtype and width."""
+    first = weights[0]
+    for w in weights:
+        if (w.dim() != 2 or not w.is_contiguous() or w.dtype != first.dtype or w.device != first.device
+                or w.shape[1] != first.shape[1]):
+            return None
+    for a, b in zip(weights, weights[1:]):
+        if (a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                or a.data_ptr() + a.numel() * a.element_size() != b.data_ptr()):
+            return None
+    return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+
+
 def implementations(device_type: str) -> dict[str, str]:
     kind = "Triton" if device_type == "cuda" else "torch reference"
     return {"rms_norm (rollout)": kind, "rope (rollout)": kind, "silu_mul (rollout)": kind}

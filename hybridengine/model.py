@@ -330,13 +330,30 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
-        if getattr(attn, "fused", False):  # rollout: residual add + norm, rope and SiLU * up fused
-            norm1, norm2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
-            a = self.self_attn.forward_paged(fused.rms_norm(x, norm1.weight, norm1.eps), cos, sin, attn, layer_idx)
-            h, x = fused.rms_norm(a, norm2.weight, norm2.eps, residual=x)
-            return x + mlp.down_proj(fused.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        if getattr(attn, "fused", False):  # rollout: see CausalLM.hidden_states_paged, which chains forward_fused
+            norm1 = self.input_layernorm
+            h, x = self.forward_fused(fused.rms_norm(x, norm1.weight, norm1.eps), x, cos, sin, attn, layer_idx)
+            return x + h
         x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, attn, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
+                      layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rollout layer on (normed input h, residual stream): returns (MLP output, residual after the
+        attention), whose sum is the layer's output. The caller adds them inside the next norm kernel
+        (`fused.rms_norm(mlp_out, w, eps, residual=...)`), so no layer spends a kernel on that add."""
+        norm2, mlp = self.post_attention_layernorm, self.mlp
+        a = self.self_attn.forward_paged(h, cos, sin, attn, layer_idx)
+        h, residual = fused.rms_norm(a, norm2.weight, norm2.eps, residual=residual)
+        gate_up = None if mlp.gate_proj.bias is not None else fused.stacked_rows(mlp.gate_proj.weight,
+                                                                                 mlp.up_proj.weight)
+        if gate_up is not None:  # one GEMM for both projections (adjacent in the flat buffer)
+            gu = F.linear(h, gate_up)
+            inter = mlp.gate_proj.weight.shape[0]
+            act = fused.silu_mul(gu[..., :inter], gu[..., inter:])
+        else:
+            act = fused.silu_mul(mlp.gate_proj(h), mlp.up_proj(h))
+        return mlp.down_proj(act), residual
 
 
 class Decoder(nn.Module):
@@ -412,10 +429,17 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        if getattr(attn, "fused", False):  # rollout: each residual add rides in the next norm's kernel
+            layers = self.model.layers
+            first = layers[0].input_layernorm if len(layers) else self.model.norm
+            h, residual = fused.rms_norm(x, first.weight, first.eps), x
+            for i, layer in enumerate(layers):
+                out, residual = layer.forward_fused(h, residual, cos, sin, attn, i)
+                norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+                h, residual = fused.rms_norm(out, norm.weight, norm.eps, residual=residual)
+            return h
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_paged(x, cos, sin, attn, i)
-        if getattr(attn, "fused", False):
-            return fused.rms_norm(x, self.model.norm.weight, self.model.norm.eps)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -124,3 +124,39 @@ def test_model_fused_paged_forward_matches_eager(device, monkeypatch):
             with torch.inference_mode():
                 outs.append(model.compute_logits(model.hidden_states_paged(ids, positions, meta)))
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_rows():
+    flat = torch.arange(2 * 6 * 4 + 8, dtype=torch.float32)
+    a, b = flat[:24].view(6, 4), flat[24:48].view(6, 4)
+    both = fused.stacked_rows(a, b)
+    assert both is not None and torch.equal(both, torch.cat([a, b])) and both.data_ptr() == a.data_ptr()
+    assert fused.stacked_rows(a, flat[28:52].view(6, 4)) is None       # a gap
+    assert fused.stacked_rows(b, a) is None                            # wrong order
+    assert fused.stacked_rows(a, flat[24:48].view(4, 6)) is None       # another width
+    assert fused.stacked_rows(a, flat[24:48].clone().view(6, 4)) is None  # another storage
+
+
+def test_engine_generation_weights_allow_one_gate_up_gemm():
+    """In the engine's generation view every layer's gate_proj and up_proj lie back to back (so the
+    rollout runs one GEMM for both), at tg = 1 and in each TP slice."""
+    import hybridengine as he
+
+    engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(dtype=torch.float32, device="cpu",
+                                                                             max_model_len=32, max_num_seqs=2))
+    with engine.rollout():
+        for layer in engine.model.model.layers:
+            assert fused.stacked_rows(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight) is not None
+    specs = he.load_model(he.model_config("tiny-qwen2"), dtype=torch.float32, device="cpu").flat_buffer.layout.specs
+    for layout in (engine.sharded.layout, he.ShardedLayout(specs, world_size=4, tp_size=2, element_size=2)):
+        _check_gate_up_adjacent(layout)
+
+
+def _check_gate_up_adjacent(layout):
+    for unit in layout.units:
+        pieces = {(p.name, p.slice_index): p for p in unit.pieces}
+        for name, _ in list(pieces):
+            if name.endswith("gate_proj.weight"):
+                for t in range(layout.tp_size):
+                    gate, up = pieces[(name, t)], pieces[(name.replace("gate_proj", "up_proj"), t)]
+                    assert gate.offset + gate.slot_numel == up.offset
