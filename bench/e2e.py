@@ -172,16 +172,12 @@ def ppo_e2e_deepspeed(ctx: Ctx) -> None:
         for name in ctx.models:
             ctx.rec.not_run(BENCH, "deepspeed_zero3", name, f"deepspeed is not importable: {e}")
         return
-    from .peers import _without_zero_hooks, hf_model
+    from .peers import _ds_engine, _without_zero_hooks
 
     w = _work(ctx)
     for name in ctx.models:
         config = _ds_config(ctx, w)
-        hf_model(name, dtype=torch.bfloat16, device=torch.device("meta"))  # see peers.deepspeed_zero3
-        with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
-            model = hf_model(name, dtype=torch.bfloat16, device=None)
-        engine, *_ = deepspeed.initialize(model=model, config=config)
-        params = list(engine.module.parameters())
+        engine, model, params, _ = _ds_engine(ctx, name, config)
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(7 + ctx.rank)
         prompts = torch.randint(0, vocab, (w.prompts, w.prompt), generator=g).to(ctx.device)

@@ -152,6 +152,53 @@ def _without_zero_hooks(engine, fn) -> None:
         offload._register_deepspeed_module(offload.module)
 
 
+def _ds_engine(ctx: Ctx, name: str, config: dict | None = None):
+    """A DeepSpeed ZeRO-3 engine over a random-init bf16 model of an embedded config (`config`: the
+    DeepSpeed config, default `_ds_config`): (engine, model, params, numel)."""
+    import deepspeed
+
+    config = config or _ds_config(ctx)
+    # Import the model's code (and torch._dynamo, which transformers pulls in) before zero.Init:
+    # zero.Init patches torch.Tensor.__new__, and dynamo's polyfills refuse the patched signature.
+    hf_model(name, dtype=torch.bfloat16, device=torch.device("meta"))
+    with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
+        model = hf_model(name, dtype=torch.bfloat16, device=None)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    params = list(engine.module.parameters())
+    return engine, model, params, sum(p.ds_numel for p in params)
+
+
+def _ds_switch(ctx: Ctx, name: str, params: list, numel: int) -> None:
+    """ZeRO-3's gather of every parameter (GatheredParameters enter) and its release (exit)."""
+    import deepspeed
+
+    gather, release = [], []
+    with ctx.peak() as pm:
+        for i in range(2 + ctx.reps(10)):
+            gathered = deepspeed.zero.GatheredParameters(params)
+            g, r = ctx.timed(gathered.__enter__), ctx.timed(lambda: gathered.__exit__(None, None, None))
+            if i >= 2:
+                gather.append(g)
+                release.append(r)
+    record_switch(ctx, "deepspeed_zero3", name, ctx.slowest(gather), ctx.slowest(release), pm, numel)
+
+
+def deepspeed_switch(ctx: Ctx) -> None:
+    """Only ZeRO-3's switch (the `switch` suite runs it after hybridengine's, in the same run)."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        for name in ctx.models:
+            ctx.rec.not_run("switch", "deepspeed_zero3", name, f"deepspeed is not importable: {e}")
+        return
+    for name in ctx.models:
+        engine, model, params, numel = _ds_engine(ctx, name)
+        _ds_switch(ctx, name, params, numel)
+        engine.destroy()
+        del engine, model, params
+        release_memory()
+
+
 def deepspeed_zero3(ctx: Ctx) -> None:
     """DeepSpeed ZeRO-3 (bf16, torch AdamW): train step, switch, gather-once and naive generate."""
     try:
@@ -162,16 +209,7 @@ def deepspeed_zero3(ctx: Ctx) -> None:
         return
     w = ctx.work
     for name in ctx.models:
-        config = _ds_config(ctx)
-        # Import the model's code (and torch._dynamo, which transformers pulls in) before zero.Init:
-        # zero.Init patches torch.Tensor.__new__, and dynamo's polyfills refuse the patched signature.
-        hf_model(name, dtype=torch.bfloat16, device=torch.device("meta"))
-        with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
-            model = hf_model(name, dtype=torch.bfloat16, device=None)
-        engine, *_ = deepspeed.initialize(model=model, config=config)
-        params = list(engine.module.parameters())
-        numel = sum(p.ds_numel for p in params)
-
+        engine, model, params, numel = _ds_engine(ctx, name)
         ids = random_ids(ctx, w.train_batch, w.train_seq, model.config.vocab_size, seed=2)
 
         def step():
@@ -186,16 +224,7 @@ def deepspeed_zero3(ctx: Ctx) -> None:
             record_train(ctx, "deepspeed_zero3", name, times, pm, params=numel, optimizer="torch AdamW (foreach)",
                          activation_checkpointing=checkpointing)
         engine.module.gradient_checkpointing_disable()
-
-        gather, release = [], []
-        with ctx.peak() as pm:
-            for i in range(2 + ctx.reps(10)):
-                gathered = deepspeed.zero.GatheredParameters(params)
-                g, r = ctx.timed(gathered.__enter__), ctx.timed(lambda: gathered.__exit__(None, None, None))
-                if i >= 2:
-                    gather.append(g)
-                    release.append(r)
-        record_switch(ctx, "deepspeed_zero3", name, ctx.slowest(gather), ctx.slowest(release), pm, numel)
+        _ds_switch(ctx, name, params, numel)
 
         prompts = random_ids(ctx, w.batch, w.prompt, model.config.vocab_size, seed=1)
         engine.eval()

@@ -24,6 +24,7 @@ BENCHES = {
     "hf_generate": peers.hf_generate,
     "fsdp2": peers.fsdp2,
     "deepspeed": peers.deepspeed_zero3,
+    "deepspeed_switch": peers.deepspeed_switch,
     "segment_copy": segment_copy.segment_copy,
     "switch": switch.switch,
     "unit_gather": switch.unit_gather,
@@ -46,7 +47,7 @@ SUITES: dict[str, list[str]] = {
     "fsdp2": [*FLOORS, "fsdp2"],
     "hf_generate": [*FLOORS, "hf_generate"],
     "segment_copy": ["hbm_copy", "segment_copy"],
-    "switch": ["all_gather", "switch", "unit_gather"],
+    "switch": ["all_gather", "switch", "unit_gather", "deepspeed_switch"],  # DeepSpeed last (zero.Init)
     "generate": ["hbm_copy", "generate"],
     "paged_attention": ["hbm_copy", "paged_attention"],
     "paged_attention_sweep": ["hbm_copy", "paged_attention_sweep"],
