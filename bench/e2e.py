@@ -166,11 +166,10 @@ def ppo_e2e_deepspeed(ctx: Ctx) -> None:
     if not ctx.cuda:
         ctx.rec.not_run(BENCH, "deepspeed_zero3", None, "GPU only")
         return
-    try:
-        import deepspeed
-    except ImportError as e:
-        for name in ctx.models:
-            ctx.rec.not_run(BENCH, "deepspeed_zero3", name, f"deepspeed is not importable: {e}")
+    from .peers import import_deepspeed
+
+    deepspeed = import_deepspeed(ctx, BENCH)
+    if deepspeed is None:
         return
     from .peers import _ds_engine, _without_zero_hooks
 

@@ -183,13 +183,20 @@ def _ds_switch(ctx: Ctx, name: str, params: list, numel: int) -> None:
     record_switch(ctx, "deepspeed_zero3", name, ctx.slowest(gather), ctx.slowest(release), pm, numel)
 
 
-def deepspeed_switch(ctx: Ctx) -> None:
-    """Only ZeRO-3's switch (the `switch` suite runs it after hybridengine's, in the same run)."""
+def import_deepspeed(ctx: Ctx, bench: str):
+    """The deepspeed module, or None after a not_run row per model (the wheel is carried to the GPU machine)."""
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
     except ImportError as e:
         for name in ctx.models:
-            ctx.rec.not_run("switch", "deepspeed_zero3", name, f"deepspeed is not importable: {e}")
+            ctx.rec.not_run(bench, "deepspeed_zero3", name, f"deepspeed is not importable: {e}")
+        return None
+    return deepspeed
+
+
+def deepspeed_switch(ctx: Ctx) -> None:
+    """Only ZeRO-3's switch (the `switch` suite runs it after hybridengine's, in the same run)."""
+    if import_deepspeed(ctx, "switch") is None:
         return
     for name in ctx.models:
         engine, model, params, numel = _ds_engine(ctx, name)
@@ -201,11 +208,8 @@ def deepspeed_switch(ctx: Ctx) -> None:
 
 def deepspeed_zero3(ctx: Ctx) -> None:
     """DeepSpeed ZeRO-3 (bf16, torch AdamW): train step, switch, gather-once and naive generate."""
-    try:
-        import deepspeed
-    except ImportError as e:
-        for name in ctx.models:
-            ctx.rec.not_run("train_step", "deepspeed_zero3", name, f"deepspeed is not importable: {e}")
+    deepspeed = import_deepspeed(ctx, "train_step")
+    if deepspeed is None:
         return
     w = ctx.work
     for name in ctx.models:
