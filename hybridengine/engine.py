@@ -64,6 +64,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 16384
     """Most prompt tokens in one prefill step (a longer prompt runs alone)."""
     cuda_graphs: bool = True
+    fused_training: bool = False
+    """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
+    `hybridengine.fused` instead of eager torch (fewer kernels per layer). Off by default until measured
+    on the GPU; CPU tests cover it under the Triton interpreter."""
     seed: int = 0
     """Seed of random initialisation (when the source is a config) and of unseeded sampling."""
 
@@ -212,7 +216,8 @@ class HybridEngine:
         if self._runner is not None:
             raise RuntimeError("training calls (log_probs, ppo_step) are not allowed inside rollout()")
         if self._training is None:
-            self._training = Trainer(self.sharded, self.model_config, optimizer_config=cfg)
+            self._training = Trainer(self.sharded, self.model_config, optimizer_config=cfg,
+                                     fused=self.config.fused_training)
         return self._training
 
     def log_probs(self, batch, *, temperature: float = 1.0, return_entropy: bool = False):

@@ -213,6 +213,125 @@ def stacked_rows(*weights: torch.Tensor) -> torch.Tensor | None:
     return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
 
 
+# --------------------------------------------------------------------------------------------
+# training: the same ops with their backward (autograd Functions over the kernels)
+
+RMS_BWD_ROWS = 32
+"""Rows per program of the RMSNorm backward: each program sums its rows' dw in registers, the
+launcher sums the [programs, H] partials (a [rows / 32, H] fp32 buffer)."""
+
+
+class _RMSNormTrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        import triton
+
+        from hybridengine.kernels.elementwise import rms_norm_fwd_train_kernel
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        _check_norm("rms_norm_train", x2, weight, eps, None)
+        rows, cols = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        if rows:
+            rms_norm_fwd_train_kernel[(rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), cols, eps,
+                                               BLOCK=triton.next_power_of_2(cols), num_warps=4 if cols <= 2048 else 8)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        import triton
+
+        from hybridengine.kernels.elementwise import rms_norm_bwd_kernel
+
+        x2, weight, rstd = ctx.saved_tensors
+        rows, cols = x2.shape
+        dy2 = dy.reshape(rows, cols)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        dx = torch.empty_like(x2)
+        programs = max(1, triton.cdiv(rows, RMS_BWD_ROWS))
+        partial = torch.empty(programs, cols, dtype=torch.float32, device=x2.device)
+        if rows:
+            rms_norm_bwd_kernel[(programs,)](dy2, x2, weight, rstd, dx, partial, dy2.stride(0), x2.stride(0),
+                                             dx.stride(0), rows, cols, RMS_BWD_ROWS,
+                                             BLOCK=triton.next_power_of_2(cols), num_warps=4 if cols <= 2048 else 8)
+        else:
+            partial.zero_()
+        return dx.view(ctx.shape), partial.sum(0).to(weight.dtype), None
+
+
+class _SiluMulTrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        shape = gate.shape
+        g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+        ctx.save_for_backward(g2, u2)
+        ctx.shape = shape
+        return silu_mul_triton(g2, u2).view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        import triton
+
+        from hybridengine.kernels.elementwise import silu_mul_bwd_kernel
+
+        g2, u2 = ctx.saved_tensors
+        rows, cols = g2.shape
+        dy2 = dy.reshape(rows, cols)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        dg, du = torch.empty_like(g2), torch.empty_like(u2)
+        block = min(4096, triton.next_power_of_2(cols))
+        if rows:
+            silu_mul_bwd_kernel[(rows, triton.cdiv(cols, block))](
+                dy2, g2, u2, dg, du, dy2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0), cols,
+                BLOCK=block, num_warps=4)
+        return dg.view(ctx.shape), du.view(ctx.shape)
+
+
+class _RopeTrain(torch.autograd.Function):
+    """Out of place; the backward is the rotation by the opposite angle (sin -> -sin)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.shapes = (q.shape, k.shape)
+        return rope_triton_(q.contiguous().clone(), k.contiguous().clone(), cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        grads = [torch.zeros(shape, dtype=cos.dtype, device=cos.device) if g is None else g.contiguous().clone()
+                 for g, shape in zip((dq, dk), ctx.shapes)]
+        dq, dk = rope_triton_(grads[0], grads[1], cos, -sin)
+        return dq, dk, None, None
+
+
+def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` with autograd (training); the kernels on CUDA, the reference elsewhere."""
+    if not _use_kernel(x):
+        return rms_norm_ref(x, weight, eps)
+    return _RMSNormTrain.apply(x, weight, eps)
+
+
+def silu_mul_train(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul` with autograd (training)."""
+    if not _use_kernel(gate):
+        return silu_mul_ref(gate, up)
+    return _SiluMulTrain.apply(gate, up)
+
+
+def rope_train(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """`rope` with autograd (training), out of place."""
+    if not _use_kernel(q):
+        return rope_ref(q, k, cos, sin)
+    return _RopeTrain.apply(q, k, cos, sin)
+
+
 def implementations(device_type: str) -> dict[str, str]:
     kind = "Triton" if device_type == "cuda" else "torch reference"
     return {"rms_norm (rollout)": kind, "rope (rollout)": kind, "silu_mul (rollout)": kind}

@@ -293,6 +293,13 @@ class Attention(nn.Module):
             q, k = fused.rope(q, k, cos, sin)
             out = attn.attend(layer_idx, q, k, v, self.sliding_window)
             return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
+        if getattr(attn, "fused_train", False):  # training with the autograd Triton ops
+            if self.q_norm is not None:
+                q = fused.rms_norm_train(q, self.q_norm.weight, self.q_norm.eps)
+                k = fused.rms_norm_train(k, self.k_norm.weight, self.k_norm.eps)
+            q, k = fused.rope_train(q, k, cos, sin)
+            out = attn.attend(layer_idx, q, k, v, self.sliding_window)
+            return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -334,6 +341,12 @@ class DecoderLayer(nn.Module):
             norm1 = self.input_layernorm
             h, x = self.forward_fused(fused.rms_norm(x, norm1.weight, norm1.eps), x, cos, sin, attn, layer_idx)
             return x + h
+        if getattr(attn, "fused_train", False):  # training with the autograd Triton ops
+            norm1, norm2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
+            x = x + self.self_attn.forward_paged(fused.rms_norm_train(x, norm1.weight, norm1.eps), cos, sin, attn,
+                                                 layer_idx)
+            h = fused.rms_norm_train(x, norm2.weight, norm2.eps)
+            return x + mlp.down_proj(fused.silu_mul_train(mlp.gate_proj(h), mlp.up_proj(h)))
         x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, attn, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -173,6 +173,8 @@ class PackedAttention:
     def __init__(self, cu_seqlens: list[int]):
         self.cu = cu_seqlens
         self._cu_device: torch.Tensor | None = None
+        self.fused_train = False
+        """The model's layers use the autograd Triton ops of hybridengine.fused (EngineConfig.fused_training)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None) -> torch.Tensor:
@@ -313,7 +315,9 @@ def _plan_micro_batches(lengths: list[int], max_tokens: int, group) -> list[list
 class Trainer:
     """Forward/backward and the optimizer of one rank, over a ShardedBuffer."""
 
-    def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None):
+    def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None,
+                 fused: bool = False):
+        self.fused = fused  # EngineConfig.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels
         self.sharded, self.config = sharded, config
         self.layout = sharded.layout
         self.device = sharded.device
@@ -402,7 +406,9 @@ class Trainer:
                 cu.append(cu[-1] + batch.lengths[b])
         ids, positions = ids.to(self.device), positions.to(self.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
-        return ids, cos, sin, PackedAttention(cu), cu
+        attn = PackedAttention(cu)
+        attn.fused_train = self.fused
+        return ids, cos, sin, attn, cu
 
     def _forward_layers(self, ids, cos, sin, attn, keep_inputs: bool):
         """Embedding and every layer without autograd; returns (final residual stream, layer inputs)."""

@@ -96,3 +96,68 @@ def silu_mul_kernel(Gate, Up, Out, stride_g, stride_u, stride_o, n_cols, BLOCK: 
     g32 = g.to(tl.float32)
     act = _round(g32 / (1.0 + tl.exp(-g32)), g.dtype)
     tl.store(Out + row * stride_o + cols, _round(act.to(tl.float32) * u.to(tl.float32), g.dtype), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# training: the backward passes (the forward kernels above serve both)
+
+
+@triton.jit
+def rms_norm_fwd_train_kernel(X, W, Y, Rstd, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr):
+    """rms_norm_kernel without the residual, also storing rstd [rows] fp32 for the backward."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+    h32 = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, 0) / n_cols + eps)
+    tl.store(Rstd + row, rstd)
+    normed = _round(h32 * rstd, h.dtype)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    tl.store(Y + row * stride_y + cols, _round(w.to(tl.float32) * normed.to(tl.float32), h.dtype), mask=ok)
+
+
+@triton.jit
+def rms_norm_bwd_kernel(
+    DY, X, W, Rstd, DX, DW_partial,
+    stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program,
+    BLOCK: tl.constexpr,
+):
+    """Rows [pid * rows_per_program, ...): dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w and
+    xhat = x * rstd, in fp32 (the derivative of the unrounded normalisation); this program's share of
+    dw = sum_rows dy * round(xhat) goes to DW_partial[pid] (fp32), summed by the launcher."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    start = pid * rows_per_program
+    for i in range(rows_per_program):
+        row = (start + i).to(tl.int64)
+        if row < n_rows:
+            x_raw = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+            x = x_raw.to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.load(Rstd + row)
+            xhat = x * rstd
+            g = dy * w
+            dx = rstd * (g - xhat * (tl.sum(g * xhat, 0) / n_cols))
+            tl.store(DX + row * stride_dx + cols, dx.to(x_raw.dtype), mask=ok)
+            dw += dy * _round(xhat, x_raw.dtype).to(tl.float32)
+    tl.store(DW_partial + pid.to(tl.int64) * n_cols + cols, dw, mask=ok)
+
+
+@triton.jit
+def silu_mul_bwd_kernel(DY, Gate, Up, DGate, DUp, stride_dy, stride_g, stride_u, stride_dg, stride_du, n_cols,
+                        BLOCK: tl.constexpr):
+    """d gate = dy * up * s * (1 + g * (1 - s)), d up = dy * silu(g), s = sigmoid(g), in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g_raw = tl.load(Gate + row * stride_g + cols, mask=ok, other=0.0)
+    g = g_raw.to(tl.float32)
+    u = tl.load(Up + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    tl.store(DGate + row * stride_dg + cols, (dy * u * s * (1.0 + g * (1.0 - s))).to(g_raw.dtype), mask=ok)
+    tl.store(DUp + row * stride_du + cols, (dy * g * s).to(g_raw.dtype), mask=ok)

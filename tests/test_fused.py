@@ -16,6 +16,17 @@ import torch
 from hybridengine import fused
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Every test here runs on the GPU (marked `gpu`) and, on a machine without one, on CPU under the
+# Triton interpreter; on a GPU machine the CPU variant is left out (Triton needs the interpreter there).
+DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu)] + ([] if torch.cuda.is_available() else ["cpu"])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+RMS_FP32_ULPS = 8.0
+"""fp32 RMSNorm has no coarse rounding to absorb the sum of squares taken in another order and
+1/sqrt against rsqrt: a few fp32 ulps each."""
 
 
 def ulp(x: torch.Tensor) -> torch.Tensor:
@@ -40,11 +51,12 @@ def test_rms_norm_kernel(device, dtype, rows, cols):
     x = (torch.randn(rows, cols, generator=g) * 3).to(dtype).to(device)
     r = torch.randn(rows, cols, generator=g).to(dtype).to(device)
     w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype).to(device)
-    assert_within_ulp(fused.rms_norm_triton(x, w, 1e-6), fused.rms_norm_ref(x, w, 1e-6), ulps=2.0)
+    ulps = RMS_FP32_ULPS if dtype == torch.float32 else 2.0
+    assert_within_ulp(fused.rms_norm_triton(x, w, 1e-6), fused.rms_norm_ref(x, w, 1e-6), ulps=ulps)
     y, h = fused.rms_norm_triton(x, w, 1e-6, residual=r)
     y_ref, h_ref = fused.rms_norm_ref(x, w, 1e-6, residual=r)
     assert torch.equal(h, h_ref)  # the residual sum is one rounding, as in torch
-    assert_within_ulp(y, y_ref, ulps=2.0)
+    assert_within_ulp(y, y_ref, ulps=ulps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,3 +172,69 @@ def _check_gate_up_adjacent(layout):
                 for t in range(layout.tp_size):
                     gate, up = pieces[(name, t)], pieces[(name.replace("gate_proj", "up_proj"), t)]
                     assert gate.offset + gate.slot_numel == up.offset
+
+
+# --------------------------------------------------------------------------------------------
+# training variants: gradients against float64 autograd of the reference
+
+
+def _grads(fn, inputs, dy):
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    dys = dy if isinstance(dy, tuple) else (dy,)
+    grads = torch.autograd.grad(outs, [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad], dys)
+    return outs, grads
+
+
+def _check_grads(kernel_fn, ref_fn, inputs, dy, factor=4.0):
+    """Kernel gradients within `factor` x (the same-dtype eager reference's distance to float64) + 1 ulp."""
+    leaf = lambda t, dt=None: t.detach().to(dt or t.dtype).requires_grad_(t.requires_grad)  # noqa: E731
+    outs, grads = _grads(kernel_fn, [leaf(x) if isinstance(x, torch.Tensor) else x for x in inputs], dy)
+    ref_outs, ref_grads = _grads(ref_fn, [leaf(x) if isinstance(x, torch.Tensor) else x for x in inputs], dy)
+    ex_inputs = [leaf(x, torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    ex_dy = tuple(d.double() for d in dy) if isinstance(dy, tuple) else dy.double()
+    _, exact = _grads(ref_fn, ex_inputs, ex_dy)
+    for got, same, ex in zip(grads, ref_grads, exact):
+        err = (got.double() - ex).abs().max().item()
+        ref_err = (same.double() - ex).abs().max().item()
+        assert err <= factor * ref_err + ulp(ex.to(got.dtype)).max().item() * 2, (err, ref_err)
+    return outs, ref_outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_train_gradients(device, monkeypatch, dtype):
+    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
+    g = torch.Generator().manual_seed(1)
+    rows, cols = 70, 96  # 3 backward programs of 32 rows, the last partial
+    x = (torch.randn(rows, cols, generator=g) * 2).to(dtype).to(device).requires_grad_()
+    w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype).to(device).requires_grad_()
+    dy = torch.randn(rows, cols, generator=g).to(dtype).to(device)
+    outs, ref_outs = _check_grads(lambda x, w: fused.rms_norm_train(x, w, 1e-6),
+                                  lambda x, w: fused.rms_norm_ref(x, w, 1e-6), [x, w], dy)
+    assert_within_ulp(outs[0], ref_outs[0], ulps=RMS_FP32_ULPS if dtype == torch.float32 else 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_train_gradients(device, monkeypatch, dtype):
+    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
+    g = torch.Generator().manual_seed(2)
+    gate = (torch.randn(9, 130, generator=g) * 3).to(dtype).to(device).requires_grad_()
+    up = torch.randn(9, 130, generator=g).to(dtype).to(device).requires_grad_()
+    dy = torch.randn(9, 130, generator=g).to(dtype).to(device)
+    _check_grads(fused.silu_mul_train, fused.silu_mul_ref, [gate, up], dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_train_gradients(device, monkeypatch, dtype):
+    """The rotation is orthogonal: its backward is the rotation by -angle, exact up to rounding."""
+    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 6, 32, generator=g).to(dtype).to(device).requires_grad_()
+    k = torch.randn(5, 2, 32, generator=g).to(dtype).to(device).requires_grad_()
+    angle = torch.rand(5, 16, generator=g) * 50
+    cos = torch.cat([angle.cos()] * 2, -1).to(dtype).to(device)
+    sin = torch.cat([angle.sin()] * 2, -1).to(dtype).to(device)
+    dq, dk = torch.randn(5, 6, 32, generator=g).to(dtype).to(device), torch.randn(5, 2, 32, generator=g).to(dtype).to(device)
+    outs, ref_outs = _check_grads(lambda q, k: fused.rope_train(q, k, cos, sin),
+                                  lambda q, k: fused.rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], (dq, dk))
+    assert torch.equal(outs[0], ref_outs[0]) and torch.equal(outs[1], ref_outs[1])
