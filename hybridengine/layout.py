@@ -303,10 +303,17 @@ class ShardedLayout:
 
 
 def param_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], head_dim: int | None = None) -> list[ParamSpec]:
-    """ParamSpecs for HF-named parameters; q/k/v get granule head_dim so TP splits whole heads."""
-    specs = []
+    """ParamSpecs for HF-named parameters; q/k/v get granule head_dim so TP splits whole heads.
+
+    Order: units as they first appear; inside a unit the matrices keep their order and come first,
+    then the 1-D parameters (biases, norms). So a layer's q/k/v weights, its gate/up weights and its
+    q/k/v biases each lie back to back, in the flat buffer and in every TP slice of the generation
+    buffer, and the rollout runs one GEMM for q, k and v and one for gate and up (`fused.stacked_rows`)."""
+    specs, first_seen = [], {}
     for name, shape in named_shapes:
         role = tp_role(name)
         granule = head_dim if (head_dim and re.search(r"\.(q_proj|k_proj|v_proj)\.", name)) else 1
-        specs.append(ParamSpec(name, tuple(shape), role, unit_of(name), granule))
-    return specs
+        spec = ParamSpec(name, tuple(shape), role, unit_of(name), granule)
+        first_seen.setdefault(spec.unit, len(first_seen))
+        specs.append(spec)
+    return sorted(specs, key=lambda s: (first_seen[s.unit], len(s.shape) < 2))

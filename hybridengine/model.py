@@ -283,16 +283,17 @@ class Attention(nn.Module):
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
         """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` stores K/V in the paged cache and attends."""
         N = x.shape[0]
-        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
         if getattr(attn, "fused", False):  # rollout: the fused kernels (hybridengine.fused)
+            q, k, v = self._qkv_one_gemm(x)
             if self.q_norm is not None:
                 q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
                 k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
             q, k = fused.rope(q, k, cos, sin)
             out = attn.attend(layer_idx, q, k, v, self.sliding_window)
             return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
+        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
         if getattr(attn, "fused_train", False):  # training with the autograd Triton ops
             if self.q_norm is not None:
                 q = fused.rms_norm_train(q, self.q_norm.weight, self.q_norm.eps)
@@ -306,6 +307,21 @@ class Attention(nn.Module):
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         out = attn.attend(layer_idx, q, k, v, self.sliding_window)
         return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
+
+    def _qkv_one_gemm(self, x: torch.Tensor):
+        """q [N, Hq, D], k, v [N, Hkv, D] (strided views of one output) from one GEMM over the adjacent
+        q/k/v weights (and biases); three GEMMs where they are not adjacent."""
+        N, D = x.shape[0], self.head_dim
+        p = (self.q_proj, self.k_proj, self.v_proj)
+        weight = fused.stacked_rows(*(m.weight for m in p))
+        bias = None if p[0].bias is None else fused.stacked_rows(*(m.bias for m in p))
+        if weight is None or (p[0].bias is not None and bias is None):
+            return (self.q_proj(x).view(N, self.num_heads, D), self.k_proj(x).view(N, self.num_kv_heads, D),
+                    self.v_proj(x).view(N, self.num_kv_heads, D))
+        qkv = F.linear(x, weight, bias)
+        nq, nk = self.num_heads * D, self.num_kv_heads * D
+        return (qkv[:, :nq].view(N, self.num_heads, D), qkv[:, nq:nq + nk].view(N, self.num_kv_heads, D),
+                qkv[:, nq + nk:].view(N, self.num_kv_heads, D))
 
 
 class MLP(nn.Module):
@@ -397,9 +413,10 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings or config.value_head else \
             _linear(config.hidden_size, config.vocab_size, False)
         self.score = _linear(config.hidden_size, 1, False) if config.value_head else None
-        shapes = [(name, tuple(p.shape)) for name, p in self.named_parameters()]
+        specs = param_specs([(name, tuple(p.shape)) for name, p in self.named_parameters()], config.head_dim)
+        shapes = [(s.name, s.shape) for s in specs]  # the flat buffer's order (see param_specs)
         if buffer is None:
-            buffer = FlatParamBuffer(param_specs(shapes, config.head_dim), dtype=dtype, device=device)
+            buffer = FlatParamBuffer(specs, dtype=dtype, device=device)
         elif [(n, tuple(buffer.view(n).shape)) for n in buffer.names] != shapes:
             # (a TP-sliced buffer matches the config of the local shapes: see tp.local_config)
             raise ValueError("CausalLM: the given buffer's parameters (names, shapes, order) do not match "

@@ -150,8 +150,8 @@ def test_stacked_rows():
 
 
 def test_engine_generation_weights_allow_one_gate_up_gemm():
-    """In the engine's generation view every layer's gate_proj and up_proj lie back to back (so the
-    rollout runs one GEMM for both), at tg = 1 and in each TP slice."""
+    """In the engine's generation view every layer's gate_proj and up_proj, and its q/k/v weights and
+    biases, lie back to back (so the rollout runs one GEMM for each group), at tg = 1 and in each TP slice."""
     import hybridengine as he
 
     engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(dtype=torch.float32, device="cpu",
@@ -159,19 +159,28 @@ def test_engine_generation_weights_allow_one_gate_up_gemm():
     with engine.rollout():
         for layer in engine.model.model.layers:
             assert fused.stacked_rows(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight) is not None
+            a = layer.self_attn
+            assert fused.stacked_rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) is not None
+            assert fused.stacked_rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) is not None
     specs = he.load_model(he.model_config("tiny-qwen2"), dtype=torch.float32, device="cpu").flat_buffer.layout.specs
     for layout in (engine.sharded.layout, he.ShardedLayout(specs, world_size=4, tp_size=2, element_size=2)):
         _check_gate_up_adjacent(layout)
 
 
 def _check_gate_up_adjacent(layout):
+    """gate/up weights, q/k/v weights and q/k/v biases back to back in every TP slice (param_specs' order)."""
+    groups = [("mlp.gate_proj.weight", "mlp.up_proj.weight")] + [
+        tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv") for kind in ("weight", "bias")]
     for unit in layout.units:
         pieces = {(p.name, p.slice_index): p for p in unit.pieces}
-        for name, _ in list(pieces):
-            if name.endswith("gate_proj.weight"):
-                for t in range(layout.tp_size):
-                    gate, up = pieces[(name, t)], pieces[(name.replace("gate_proj", "up_proj"), t)]
-                    assert gate.offset + gate.slot_numel == up.offset
+        prefix = unit.name.replace("layers.", "model.layers.") + "."
+        if not unit.name.startswith("layers."):
+            continue
+        for group in groups:
+            for t in range(layout.tp_size):
+                run = [pieces[(prefix + n, t)] for n in group]
+                for a, b in zip(run, run[1:]):
+                    assert a.offset + a.slot_numel == b.offset, (unit.name, group, t)
 
 
 # --------------------------------------------------------------------------------------------
