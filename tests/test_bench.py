@@ -237,3 +237,14 @@ def test_segment_tables_cover_exactly(numel):
     rows, src_numel, dst_numel = row_slices(4 * 1792 * 3)
     validate_table(rows, src_numel, dst_numel)
     assert sorted(rows[:, 1].tolist()) == list(range(0, dst_numel, 1792))
+
+
+def test_profile_train_runs_on_cpu(tmp_path):
+    """bench.profile_train on a tiny model: both checkpointing settings, step times and the JSON."""
+    from bench.profile_train import main
+
+    result = main(["--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--device", "cpu", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "profile_train.json").read_text())
+    assert saved["settings"].keys() == {"activation_checkpointing_on", "activation_checkpointing_off"}
+    for setting in result["settings"].values():
+        assert setting["step_s"] > 0 and setting["tokens_per_s"] > 0
