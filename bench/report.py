@@ -726,7 +726,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(out_dir / name)
 
-    ag = [r for r in latest(rows, "all_gather") if r["metric"] == "busbw_GB_per_s"]
+    ag = latest([r for r in rows if r["metric"] == "busbw_GB_per_s"], "all_gather")  # runs with > 1 GPU
     if ag:
         fig, ax = plt.subplots(figsize=(5, 3.2))
         ag.sort(key=lambda r: r["case"]["bytes"])
