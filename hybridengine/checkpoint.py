@@ -113,6 +113,26 @@ def _natural_units(layout: ShardedLayout, shards_by_rank: list[list[torch.Tensor
     return out
 
 
+def _to_layout(saved: ShardedLayout, naturals: list[torch.Tensor], layout: ShardedLayout) -> list[torch.Tensor]:
+    """The saved layout's natural units -> `layout`'s natural units, parameter by parameter (by name):
+    the two may order a unit's parameters differently (param_specs' order changed on 2026-11-30)."""
+    out = []
+    for unit in layout.units:
+        buf = torch.zeros(unit.natural_numel, dtype=naturals[0].dtype)
+        for spec in unit.params:
+            try:
+                src_spec, src_unit, _ = saved._find(spec.name)
+            except KeyError:
+                raise ValueError(f"HybridEngine.load: the checkpoint has no parameter {spec.name!r}") from None
+            if src_spec.shape != spec.shape:
+                raise ValueError(f"HybridEngine.load: {spec.name} is {src_spec.shape} in the checkpoint, "
+                                 f"{spec.shape} in this model")
+            natural = naturals[saved.unit_index[src_unit.name]]
+            layout.natural_view(buf, spec.name).copy_(saved.natural_view(natural, spec.name))
+        out.append(buf)
+    return out
+
+
 def _own_shards(engine, naturals: list[torch.Tensor]) -> list[torch.Tensor]:
     sharded = engine.sharded
     shards = []
@@ -152,7 +172,8 @@ def load(path: str | os.PathLike, *, config=None):
     engine = HybridEngine(model_config, config, role=meta["role"])
     engine.hf_config = meta.get("hf_config")
     states = [torch.load(path / f"rank{r}.pt", map_location="cpu", weights_only=False) for r in range(saved.world_size)]
-    weights = _own_shards(engine, _natural_units(saved, [s["weights"] for s in states]))
+    layout = engine.sharded.layout
+    weights = _own_shards(engine, _to_layout(saved, _natural_units(saved, [s["weights"] for s in states]), layout))
     for dst, src in zip(engine.sharded.shard_views(), weights):
         dst.copy_(src.to(dst.dtype))
     if states[0]["optimizer"] is not None:
@@ -162,7 +183,7 @@ def load(path: str | os.PathLike, *, config=None):
             if states[0]["optimizer"][key] is None:
                 opt_state[key] = None
                 continue
-            naturals = _natural_units(saved, [s["optimizer"][key] for s in states])
+            naturals = _to_layout(saved, _natural_units(saved, [s["optimizer"][key] for s in states]), layout)
             opt_state[key] = [t.float() for t in _own_shards(engine, naturals)]
         if trainer.optimizer.master is None:
             opt_state["master"] = None

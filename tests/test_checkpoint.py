@@ -169,3 +169,43 @@ def test_checkpoint_from_two_ranks_loads_at_one_and_four(tmp_path):
                 expected)                              # N = 1
     spawn(_load_at, 4, 4, path)                      # N = 4, tg = 4
     spawn(_load_at, 4, 1, path)                      # N = 4, tg = 1
+
+
+def test_checkpoint_in_the_old_parameter_order_loads(tmp_path, monkeypatch):
+    """A checkpoint written before layout.param_specs put each unit's matrices first (module order)
+    loads into today's layout: weights and optimizer state by name, bitwise."""
+    import hybridengine.layout as layout_mod
+    import hybridengine.model as model_mod
+
+    def module_order(named_shapes, head_dim=None):  # param_specs without the reordering
+        specs = []
+        for name, shape in named_shapes:
+            granule = head_dim if (head_dim and any(f".{p}_proj." in name for p in "qkv")) else 1
+            specs.append(layout_mod.ParamSpec(name, tuple(shape), layout_mod.tp_role(name), layout_mod.unit_of(name),
+                                              granule))
+        return specs
+
+    monkeypatch.setattr(model_mod, "param_specs", module_order)
+    old = engine_for(build())
+    old.ppo_step(batch(0), CFG)
+    names = [s.name for s in old.sharded.layout.specs]
+    assert names.index("model.layers.0.self_attn.q_proj.bias") < names.index("model.layers.0.self_attn.k_proj.weight")
+    weights = full_state_dict(old)
+    state = {key: [t.clone() for t in natural_optimizer_state(old, key)] for key in ("exp_avg", "exp_avg_sq")}
+    old.save(tmp_path / "old")
+    monkeypatch.undo()
+    loaded = he.HybridEngine.load(tmp_path / "old")
+    names = [s.name for s in loaded.sharded.layout.specs]
+    assert names.index("model.layers.0.self_attn.k_proj.weight") < names.index("model.layers.0.self_attn.q_proj.bias")
+    got = full_state_dict(loaded)
+    for name, w in weights.items():
+        assert torch.equal(got[name], w), name
+    by_name = {}
+    for key in state:  # natural units differ in order between the layouts: compare parameter by parameter
+        for layout, units, tag in ((old.sharded.layout, state[key], "old"),
+                                   (loaded.sharded.layout, natural_optimizer_state(loaded, key), "new")):
+            for unit, natural in zip(layout.units, units):
+                for spec in unit.params:
+                    by_name.setdefault((key, spec.name), {})[tag] = layout.natural_view(natural, spec.name)
+    for (key, name), pair in by_name.items():
+        assert torch.equal(pair["old"], pair["new"]), (key, name)
