@@ -67,8 +67,10 @@ def _check_norm(op, x, weight, eps, residual):
             raise ValueError(f"{op}: {name} is on {t.device}, x on {x.device}")
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """`rms_norm` with the Triton kernel; x [rows, cols]. With residual: (y, x + residual), both new tensors."""
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    *, rstd: torch.Tensor | None = None):
+    """`rms_norm` with the Triton kernel; x [rows, cols]. With residual: (y, x + residual), both new tensors.
+    `rstd` (fp32 [rows], training's forward) receives 1 / rms of each row."""
     import triton
 
     from hybridengine.kernels.elementwise import rms_norm_kernel
@@ -79,9 +81,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     h = torch.empty_like(x) if residual is not None else y
     if rows:
         rms_norm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, y, h,
+            x, residual if residual is not None else x, weight, y, h, rstd if rstd is not None else y,
             x.stride(0), (residual if residual is not None else x).stride(0), y.stride(0), h.stride(0), cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+            HAS_RESIDUAL=residual is not None, STORE_RSTD=rstd is not None, BLOCK=triton.next_power_of_2(cols),
             num_warps=4 if cols <= 2048 else 8,
         )
     return y if residual is None else (y, h)
@@ -228,19 +230,10 @@ launcher sums the [programs, H] partials (a [rows / 32, H] fp32 buffer)."""
 class _RMSNormTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        import triton
-
-        from hybridengine.kernels.elementwise import rms_norm_fwd_train_kernel
-
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        _check_norm("rms_norm_train", x2, weight, eps, None)
-        rows, cols = x2.shape
-        y = torch.empty_like(x2)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        if rows:
-            rms_norm_fwd_train_kernel[(rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), cols, eps,
-                                               BLOCK=triton.next_power_of_2(cols), num_warps=4 if cols <= 2048 else 8)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        y = rms_norm_triton(x2, weight, eps, rstd=rstd)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -304,12 +297,14 @@ class _RopeTrain(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
         ctx.shapes = (q.shape, k.shape)
-        return rope_triton_(q.contiguous().clone(), k.contiguous().clone(), cos, sin)
+        return rope_triton_(q.clone(memory_format=torch.contiguous_format),
+                            k.clone(memory_format=torch.contiguous_format), cos, sin)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        grads = [torch.zeros(shape, dtype=cos.dtype, device=cos.device) if g is None else g.contiguous().clone()
+        grads = [torch.zeros(shape, dtype=cos.dtype, device=cos.device) if g is None
+                 else g.clone(memory_format=torch.contiguous_format)
                  for g, shape in zip((dq, dk), ctx.shapes)]
         dq, dk = rope_triton_(grads[0], grads[1], cos, -sin)
         return dq, dk, None, None

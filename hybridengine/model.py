@@ -281,43 +281,42 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
-        """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` stores K/V in the paged cache and attends."""
+        """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` stores K/V in the paged cache and attends.
+
+        With `attn.fused` (rollout) or `attn.fused_train` (training, autograd) the q/k norms and RoPE run
+        as the kernels of hybridengine.fused; the rollout also computes q, k and v in one GEMM."""
         N = x.shape[0]
-        if getattr(attn, "fused", False):  # rollout: the fused kernels (hybridengine.fused)
-            q, k, v = self._qkv_one_gemm(x)
+        rollout = getattr(attn, "fused", False)
+        if rollout or getattr(attn, "fused_train", False):
+            norm, rope = (fused.rms_norm, fused.rope) if rollout else (fused.rms_norm_train, fused.rope_train)
+            q, k, v = self._qkv_one_gemm(x) if rollout else self._qkv(x)
             if self.q_norm is not None:
-                q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-                k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-            q, k = fused.rope(q, k, cos, sin)
-            out = attn.attend(layer_idx, q, k, v, self.sliding_window)
-            return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
-        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
-        if getattr(attn, "fused_train", False):  # training with the autograd Triton ops
+                q, k = norm(q, self.q_norm.weight, self.q_norm.eps), norm(k, self.k_norm.weight, self.k_norm.eps)
+            q, k = rope(q, k, cos, sin)
+        else:
+            q, k, v = self._qkv(x)
             if self.q_norm is not None:
-                q = fused.rms_norm_train(q, self.q_norm.weight, self.q_norm.eps)
-                k = fused.rms_norm_train(k, self.k_norm.weight, self.k_norm.eps)
-            q, k = fused.rope_train(q, k, cos, sin)
-            out = attn.attend(layer_idx, q, k, v, self.sliding_window)
-            return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+                q, k = self.q_norm(q), self.k_norm(k)
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
         out = attn.attend(layer_idx, q, k, v, self.sliding_window)
         return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
 
-    def _qkv_one_gemm(self, x: torch.Tensor):
-        """q [N, Hq, D], k, v [N, Hkv, D] (strided views of one output) from one GEMM over the adjacent
-        q/k/v weights (and biases); three GEMMs where they are not adjacent."""
+    def _qkv(self, x: torch.Tensor):
+        """q [N, Hq, D], k, v [N, Hkv, D] from the three projections."""
         N, D = x.shape[0], self.head_dim
+        return (self.q_proj(x).view(N, self.num_heads, D), self.k_proj(x).view(N, self.num_kv_heads, D),
+                self.v_proj(x).view(N, self.num_kv_heads, D))
+
+    def _qkv_one_gemm(self, x: torch.Tensor):
+        """`_qkv` as one GEMM over the adjacent q/k/v weights (and biases): strided views of one output;
+        three GEMMs where they are not adjacent."""
         p = (self.q_proj, self.k_proj, self.v_proj)
         weight = fused.stacked_rows(*(m.weight for m in p))
         bias = None if p[0].bias is None else fused.stacked_rows(*(m.bias for m in p))
         if weight is None or (p[0].bias is not None and bias is None):
-            return (self.q_proj(x).view(N, self.num_heads, D), self.k_proj(x).view(N, self.num_kv_heads, D),
-                    self.v_proj(x).view(N, self.num_kv_heads, D))
+            return self._qkv(x)
+        N, D = x.shape[0], self.head_dim
         qkv = F.linear(x, weight, bias)
         nq, nk = self.num_heads * D, self.num_kv_heads * D
         return (qkv[:, :nq].view(N, self.num_heads, D), qkv[:, nq:nq + nk].view(N, self.num_kv_heads, D),
@@ -353,11 +352,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
-        if getattr(attn, "fused", False):  # rollout: see CausalLM.hidden_states_paged, which chains forward_fused
-            norm1 = self.input_layernorm
-            h, x = self.forward_fused(fused.rms_norm(x, norm1.weight, norm1.eps), x, cos, sin, attn, layer_idx)
-            return x + h
-        if getattr(attn, "fused_train", False):  # training with the autograd Triton ops
+        """Flat tokens through `attn`; with `attn.fused_train` the norms and SiLU * up run as the autograd
+        kernels of hybridengine.fused (the rollout chains `forward_fused` from CausalLM.hidden_states_paged)."""
+        if getattr(attn, "fused_train", False):
             norm1, norm2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
             x = x + self.self_attn.forward_paged(fused.rms_norm_train(x, norm1.weight, norm1.eps), cos, sin, attn,
                                                  layer_idx)

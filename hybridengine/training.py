@@ -18,6 +18,7 @@ sequences (`loss_agg`), and gradients are averaged over ranks.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -160,6 +161,19 @@ class PPOBatch:
         return out.to(device)
 
 
+@functools.cache
+def _varlen_api():
+    """(torch's varlen_attn, the names of its parameters), or None where this torch lacks it; looked up
+    once, not per layer call."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
 class PackedAttention:
     """Causal attention per sequence over packed tokens (the training path of `forward_paged`).
 
@@ -193,13 +207,10 @@ class PackedAttention:
 
     def _varlen(self, q, k, v, sliding_window):
         """One varlen flash call, or None where this torch has no API for the case."""
-        import inspect
-
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-        except ImportError:
+        api = _varlen_api()
+        if api is None:
             return None
-        params = inspect.signature(varlen_attn).parameters
+        varlen_attn, params = api
         lens = [e - s for s, e in zip(self.cu[:-1], self.cu[1:])]
         window = None if sliding_window is None or sliding_window >= max(lens) else sliding_window
         kw = {}
@@ -473,6 +484,17 @@ class Trainer:
 
     # -- public ---------------------------------------------------------------------------------------
 
+    def _scoring_passes(self, batch: PPOBatch, micro_batch_tokens: int):
+        """Per micro-batch of a no-grad forward: (rows, final-normed hidden [tokens, H], head weight,
+        cu_seqlens). An empty micro-batch (this rank ran out while others did not) still runs its
+        gathers and collectives and yields nothing."""
+        for rows in _plan_micro_batches(batch.lengths, micro_batch_tokens, self.sharded.group):
+            ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
+            x, _ = self._forward_layers(ids, cos, sin, attn, keep_inputs=False)
+            norm_w, head_w = self._head_weights()
+            if rows:
+                yield rows, self._norm(norm_w, x), head_w, cu
+
     @torch.no_grad()
     def log_probs(self, batch: PPOBatch, *, temperature: float = 1.0, micro_batch_tokens: int = 16384,
                   return_entropy: bool = False):
@@ -484,13 +506,8 @@ class Trainer:
         width = max(batch.lengths) - 1
         logp = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
         ent = torch.zeros_like(logp) if return_entropy else None
-        for rows in _plan_micro_batches(batch.lengths, micro_batch_tokens, self.sharded.group):
-            ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
-            x, _ = self._forward_layers(ids, cos, sin, attn, keep_inputs=False)
-            norm_w, head_w = self._head_weights()
-            if not rows:
-                continue
-            hidden = self._unpack(self._norm(norm_w, x), cu)
+        for rows, normed, head_w, cu in self._scoring_passes(batch, micro_batch_tokens):
+            hidden = self._unpack(normed, cu)
             targets = self._targets(batch, rows, hidden.shape[1])
             out = token_logprobs(hidden, head_w, targets, temperature=temperature, return_entropy=return_entropy)
             lp, e = out if return_entropy else (out, None)
@@ -638,13 +655,8 @@ class Trainer:
             raise ValueError("values() needs a critic engine (HybridEngine(..., role='critic'))")
         width = max(batch.lengths) - 1
         out = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
-        for rows in _plan_micro_batches(batch.lengths, micro_batch_tokens, self.sharded.group):
-            ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
-            x, _ = self._forward_layers(ids, cos, sin, attn, keep_inputs=False)
-            norm_w, head_w = self._head_weights()
-            if not rows:
-                continue
-            v = self._unpack(F.linear(self._norm(norm_w, x), head_w).squeeze(-1), cu)
+        for rows, normed, head_w, cu in self._scoring_passes(batch, micro_batch_tokens):
+            v = self._unpack(F.linear(normed, head_w).squeeze(-1), cu)
             for i, b in enumerate(rows):
                 n = batch.lengths[b] - 1
                 out[b, :n] = v[i, :n].float()

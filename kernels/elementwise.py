@@ -27,13 +27,13 @@ def _round(x, dtype: tl.constexpr):
 
 @triton.jit
 def rms_norm_kernel(
-    X, Residual, W, Y, Residual_out,
+    X, Residual, W, Y, Residual_out, Rstd,
     stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per row: h = x (+ residual, rounded to the dtype and stored as the new residual),
     y = w * (h * rsqrt(mean(h^2) + eps)) with the normalisation in fp32, cast to the dtype before the
-    scale by w (HF's order of rounding)."""
+    scale by w (HF's order of rounding). STORE_RSTD (training) keeps rstd [rows] fp32 for the backward."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -44,6 +44,8 @@ def rms_norm_kernel(
         tl.store(Residual_out + row * stride_ro + cols, h, mask=ok)
     h32 = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, 0) / n_cols + eps)
+    if STORE_RSTD:
+        tl.store(Rstd + row, rstd)
     normed = _round(h32 * rstd, h.dtype)
     w = tl.load(W + cols, mask=ok, other=0.0)
     tl.store(Y + row * stride_y + cols, _round(w.to(tl.float32) * normed.to(tl.float32), h.dtype), mask=ok)
@@ -99,22 +101,7 @@ def silu_mul_kernel(Gate, Up, Out, stride_g, stride_u, stride_o, n_cols, BLOCK: 
 
 
 # --------------------------------------------------------------------------------------------
-# training: the backward passes (the forward kernels above serve both)
-
-
-@triton.jit
-def rms_norm_fwd_train_kernel(X, W, Y, Rstd, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr):
-    """rms_norm_kernel without the residual, also storing rstd [rows] fp32 for the backward."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
-    h32 = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, 0) / n_cols + eps)
-    tl.store(Rstd + row, rstd)
-    normed = _round(h32 * rstd, h.dtype)
-    w = tl.load(W + cols, mask=ok, other=0.0)
-    tl.store(Y + row * stride_y + cols, _round(w.to(tl.float32) * normed.to(tl.float32), h.dtype), mask=ok)
+# training: the backward passes (the forward kernels above serve both; RMSNorm stores rstd)
 
 
 @triton.jit

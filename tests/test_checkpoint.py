@@ -209,3 +209,21 @@ def test_checkpoint_in_the_old_parameter_order_loads(tmp_path, monkeypatch):
                     by_name.setdefault((key, spec.name), {})[tag] = layout.natural_view(natural, spec.name)
     for (key, name), pair in by_name.items():
         assert torch.equal(pair["old"], pair["new"]), (key, name)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda specs: specs[0].__setitem__(0, "model.embed_tokens.renamed"),
+     "the checkpoint has no parameter 'model.embed_tokens.weight'"),
+    (lambda specs: next(s for s in specs if s[0].endswith("layers.0.mlp.down_proj.weight"))[1].reverse(),
+     r"model.layers.0.mlp.down_proj.weight is \(96, 64\) in the checkpoint, \(64, 96\) in this model"),
+])
+def test_load_names_a_parameter_the_checkpoint_lacks_or_shapes_otherwise(tmp_path, edit, match):
+    import json
+
+    engine_for(build()).save(tmp_path / "ck")
+    meta_file = tmp_path / "ck" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    edit(meta["layout"]["specs"])
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=match):
+        he.HybridEngine.load(tmp_path / "ck")
