@@ -2,7 +2,8 @@
 # One device call (nvidia-h200-x2): build the extension with its CUDA ops, run the GPU tests and the
 # NCCL/VMM sharding check, then the given bench suites. Logs and rows go to $OUT.
 # Usage (repo root, wheels carried in .whl/): bash bench/gpu_all.sh "segment_copy --gpus 1" "switch --gpus 2"
-# Each bench suite gets at most $SUITE_TIMEOUT seconds (default 300); the tests have their own limits.
+# Each bench suite gets at most $SUITE_TIMEOUT seconds (default 300); the GPU tests $PYTEST_TIMEOUT (240) over
+# $PYTEST_FILES (default: tests).
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
@@ -18,7 +19,7 @@ t0=$SECONDS
 MAX_JOBS=16 HYBRIDENGINE_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 echo "build: $((SECONDS - t0)) s"
 python3 -m hybridengine info | tee "$out/info.txt"
-timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest_gpu.log"
+timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${PYTEST_FILES:-tests} -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest_gpu.log"
 tail -3 "$out/pytest_gpu.log"
 timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_sharded.py 2>&1 | tail -8 | tee "$out/dist_sharded.log"
 for suite in "$@"; do

@@ -406,6 +406,12 @@ def _generate_peer(rows: list[dict], r: dict, provider: str, match: dict) -> tup
     return (p, same) if p is not None and _comparable(p, r) else (None, True)
 
 
+def _same_tg(rows: list[dict], r: dict) -> list[dict]:
+    """Rows of r's TP degree (rows without one are tg = 1)."""
+    tg = r["case"].get("tg", 1)
+    return [x for x in rows if x["case"].get("tg", 1) == tg]
+
+
 def generate_section(rows: list[dict]) -> str:
     sel = latest(rows, "generate")
     notes = Notes()
@@ -414,7 +420,7 @@ def generate_section(rows: list[dict]) -> str:
         if r["metric"] != "tokens_per_s" or r["provider"] != "hybridengine":
             continue
         run, model, case = r["run_id"], r["model"], r["case"].get("case")
-        own = in_run(rows, run)
+        own = _same_tg(in_run(rows, run), r)
         step = pick(own, bench="decode_step", provider="hybridengine", model=model, case_case=case)
         floor = pick(own, bench="decode_step", provider="floor", model=model, case_case=case)
         if floor is not None and floor["case"].get("batch_per_gpu") != r["case"].get("batch_per_gpu"):
@@ -436,7 +442,7 @@ def generate_section(rows: list[dict]) -> str:
         nvml = pick(own, bench="generate", provider="hybridengine", model=model, metric="peak_GiB", case_case=case,
                     case_source="nvml")
         shape = f"{r['case'].get('batch_per_gpu')} x {r['case'].get('new_tokens')}"
-        body.append([model, f"{case} (n={r['case'].get('samples')})", shape, sig_spread(r), str(r["num_gpus"]),
+        body.append([model, f"{case} (n={r['case'].get('samples')}, tg={r['case'].get('tg', 1)})", shape, sig_spread(r), str(r["num_gpus"]),
                      sig(per_gpu),
                      dur(step and step["value"]), dur(floor and floor["value"]) + floor_mark,
                      ratio(step and step["value"], floor and floor["value"]), *speeds, sig(nvml and nvml["value"]), run])
@@ -919,11 +925,13 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          f"{sig(p_gpu)} tok/s", f"{ratio(per_gpu, p_gpu)}x", "–", _where(r, p)])
     # The decode step against its floor, per model and case (the goal is set at B = 128: the grpo case).
     for g in sorted(gen, key=lambda x: (x["model"], x["case"].get("batch_per_gpu", 0))):
-        own = in_run(rows, g["run_id"])
+        own = _same_tg(in_run(rows, g["run_id"]), g)
         step = pick(own, bench="decode_step", provider="hybridengine", model=g["model"], case_case=g["case"].get("case"))
         floor = pick(own, bench="decode_step", provider="floor", model=g["model"], case_case=g["case"].get("case"))
         if step and floor and floor["case"].get("batch_per_gpu") == g["case"].get("batch_per_gpu"):
-            body.append([f"Decode step / its floor (weights + KV bytes at HBM bandwidth), {g['model']}, "
+            tg = g["case"].get("tg", 1)
+            body.append([f"Decode step / its floor (weights + KV bytes at HBM bandwidth), {g['model']}"
+                         f"{f' tg={tg}' if tg > 1 else ''}, "
                          f"{floor['case'].get('batch_per_gpu')} sequences at mean context "
                          f"{floor['case'].get('mean_context')}", dur(step["value"]), dur(floor["value"]),
                          ratio(step["value"], floor["value"]), f"<= {GOAL['decode_step_vs_floor']}", _where(g)])

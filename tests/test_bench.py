@@ -172,7 +172,7 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     # Unit gather: 225 / 250 GB/s = 0.90; FSDP2 2.1 ms / 1.05 ms = 2.00.
     assert "| qwen2-7b | 470 | hybridengine tg=1 | 1.05 ms (1.05–1.05) | 225 | 0.90 | 2.00 | r1 |" in text
     # Generate: one GPU at 2,700 tok/s vs the peers' per-GPU rates of run r1 (2 GPUs), marked as another run.
-    assert ("| qwen2-7b | rollout (n=1) | 64 x 128 | 2,700 (2,700–2,700) | 1 | 2,700 | 6.00 ms | 4.00 ms [1] | 1.50 | "
+    assert ("| qwen2-7b | rollout (n=1, tg=1) | 64 x 128 | 2,700 (2,700–2,700) | 1 | 2,700 | 6.00 ms | 4.00 ms [1] | 1.50 | "
             "3.00 [2] | – | 6.00 [3] | – | r2 |") in text
     assert "[2] other run: hf_generate qwen2-7b from run r1 (2 x NVIDIA H200), not from run r2." in text
     # Decode attention: 80 us vs SDPA 100 us = 1.25; 3,355 GB/s / 4,000 GB/s HBM copy = 0.84.
