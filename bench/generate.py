@@ -12,6 +12,8 @@ bandwidth measured on this machine).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .common import GiB, Ctx, quantiles, random_ids, record_generate
@@ -25,8 +27,10 @@ def generate(ctx: Ctx) -> None:
     if not ctx.cuda:
         ctx.rec.not_run("generate", "hybridengine", None, "GPU only")
         return
+    only = os.environ.get("HE_BENCH_TG")  # e.g. "2": run only these TP degrees (to split a device call)
+    degrees = [int(d) for d in only.split(",")] if only else (1, 2)
     for model in ctx.models:
-        for tg in [d for d in (1, 2) if ctx.world % d == 0]:
+        for tg in [d for d in degrees if ctx.world % d == 0]:
             _generate_tg(ctx, he, model, tg)
 
 

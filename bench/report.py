@@ -26,7 +26,7 @@ from hybridengine.configs import MODEL_CONFIGS
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DATASHEET = {"hbm_copy": 4800.0, "gemm": 989.0}
 """H200 SXM datasheet: 4.8 TB/s HBM3e, ~989 dense bf16 TFLOP/s; all-gather has no datasheet floor."""
-KNOWN_BENCHES = {"hbm_copy", "gemm", "all_gather", "switch", "switch_memory", "unit_gather", "generate", "decode_step",
+KNOWN_BENCHES = {"hbm_copy", "gemm", "all_gather", "switch", "switch_memory", "switch_batch_sweep", "unit_gather", "generate", "decode_step",
                  "train_step", "segment_copy", "paged_attention", "ppo_loss", "ppo_e2e"}
 PEER = {"switch": "fsdp2", "generate": "hf_generate", "train_step": "fsdp2", "segment_copy": "torch_copy"}
 VARIANT_KEYS = ("case", "cache", "phase", "direction", "tg", "samples", "timer_sync")
@@ -293,7 +293,9 @@ def switch_section(rows: list[dict]) -> str:
         run, model, tg = g["run_id"], g["model"], g["case"].get("tg")
         own = in_run(rows, run)
         key = dict(bench="switch", provider="hybridengine", model=model, case_tg=tg)
-        back = pick(own, **key, metric="seconds", case_direction="gen_to_train")
+        backs = [r for r in own if matches(r, dict(**key, metric="seconds", case_direction="gen_to_train"))]
+        back = next((r for r in backs if "until" not in r["case"]), None)
+        released = next((r for r in backs if r["case"].get("until") == "pages released"), None)
         gbps = pick(own, **key, metric="GB_per_s")
         nvml = pick(own, **key, metric="peak_GiB", case_source="nvml")
         mem = pick(own, bench="switch_memory", provider="hybridengine", model=model, case_tg=tg)
@@ -305,7 +307,8 @@ def switch_section(rows: list[dict]) -> str:
             speeds.append("–" if p is None else ratio(p["value"], g["value"]) + notes.other_run(p, run))
         peak = "–" if nvml is None else f"{sig(nvml['value'])} ({sig(nvml['case'].get('model_over_tg_GiB'))})"
         mapped = "–" if mem is None else f"{sig(mem['case'].get('before_GiB'))} → {sig(mem['value'])}"
-        body.append([model or "–", str(tg), dur_spread(g), dur_spread(back), sig(received), sig(gbps and gbps["value"]),
+        body.append([model or "–", str(tg), dur_spread(g), dur_spread(back), dur_spread(released) if released else "–",
+                     sig(received), sig(gbps and gbps["value"]),
                      dur_spread(nccl) if nccl or received != 0 else "no bytes move",
                      ratio(g["value"], nccl and nccl["value"]), *speeds, peak, mapped, run])
     text = ("## Train -> generate switch\n\n"
@@ -316,12 +319,27 @@ def switch_section(rows: list[dict]) -> str:
             f"receive {_peer_bytes_note(rows)} per rank, without hybridengine's 2 MiB shard padding). Peak NVML: the "
             "device's used memory during the timed switches (CUDA context and NCCL buffers included; torch's allocator "
             "sees none of the VMM-mapped buffer) next to model/tg. Mapped: GiB of the generation buffer mapped in "
-            "training before -> after 100 more round trips.\n\n"
-            + table(["model", "tg", "train->gen (p20–p80)", "gen->train (p20–p80)", "GB received/rank", "GB/s received",
+            "training before -> after 100 more round trips. gen->train returns once the release is queued; the "
+            "pages go back to the driver on a host thread after the GPU's queued work (\"pages released\": the "
+            "call plus that wait, timed on the host).\n\n"
+            + table(["model", "tg", "train->gen (p20–p80)", "gen->train (p20–p80)", "gen->train, pages released",
+                     "GB received/rank", "GB/s received",
                      "NCCL all-gather, same bytes", f"hybridengine / NCCL (goal <= {GOAL['switch_vs_nccl']})",
                      f"speed vs DeepSpeed ZeRO-3 gather (goal >= {GOAL['switch_vs_deepspeed']})", "speed vs FSDP2 unshard",
                      "peak NVML GiB (model/tg)", "mapped GiB", "run"], body) + str(notes))
-    return text + "\n\n" + _switch_peers_table(rows)
+    return text + "\n\n" + _switch_sweep_table(rows) + _switch_peers_table(rows)
+
+
+def _switch_sweep_table(rows: list[dict]) -> str:
+    """train->gen at several NCCL group sizes (bytes received per group call), tg = 1."""
+    sel = [r for r in latest(rows, "switch_batch_sweep") if r["metric"] == "seconds"]
+    if not sel:
+        return ""
+    body = [[r["model"], str(r["case"].get("batch_MiB")) if r["case"].get("batch_MiB") else "one all-gather per unit",
+             dur_spread(r), r["run_id"]] for r in sorted(sel, key=lambda r: (r["model"], r["case"].get("batch_MiB", 0)))]
+    return ("### Switch by NCCL group size (tg = 1)\n\n`switch_batch_bytes`: received bytes gathered per NCCL group "
+            "call (the default is 2048 MiB).\n\n"
+            + table(["model", "MiB per group call", "train->gen (p20–p80)", "run"], body) + "\n\n")
 
 
 def _peer_bytes_note(rows: list[dict]) -> str:
@@ -364,26 +382,37 @@ def unit_gather_section(rows: list[dict]) -> str:
             continue
         run = ours[0]["run_id"]
         key = dict(bench="unit_gather", model=model)
-        nccl_bw, _ = peer(rows, run, **key, provider="nccl", metric="busbw_GB_per_s")
-        nccl_s = twin(rows, nccl_bw, "seconds")
         fsdp, _ = peer(rows, run, **key, provider="fsdp2", metric="seconds")
-        nccl_mark, fsdp_mark = notes.other_run(nccl_bw, run), notes.other_run(fsdp, run)
-        for r in ours:
-            bw = twin(rows, r, "busbw_GB_per_s")
-            what = f"hybridengine tg={r['case'].get('tg')}" + (" + unpack" if r["case"].get("unpack") else "")
-            body.append([model, sig(r["case"].get("MB")), what, dur_spread(r), sig(bw and bw["value"]),
-                         ratio(bw and bw["value"], nccl_bw and nccl_bw["value"]) + nccl_mark,
-                         ratio(fsdp and fsdp["value"], r["value"]) + fsdp_mark, run])
-        if nccl_bw:
-            body.append([model, sig(nccl_bw["case"].get("MB")), "nccl all_gather_into_tensor", dur_spread(nccl_s),
-                         sig(nccl_bw["value"]), "1.00", ratio(fsdp and fsdp["value"], nccl_s and nccl_s["value"]),
-                         nccl_bw["run_id"]])
+        fsdp_mark = notes.other_run(fsdp, run)
+        for piped in sorted({r["case"].get("pipelined", 0) for r in ours}):
+            # isolated rows (no `pipelined`) against the single all-gather; pipelined ones against as many
+            # all-gathers back to back
+            nccl_bw = next((r for r in in_run(rows, run) if matches(r, dict(**key, provider="nccl",
+                            metric="busbw_GB_per_s")) and r["case"].get("pipelined", 0) == piped), None)
+            if nccl_bw is None and not piped:
+                nccl_bw, _ = peer(rows, run, **key, provider="nccl", metric="busbw_GB_per_s")
+            nccl_s = twin(rows, nccl_bw, "seconds")
+            nccl_mark = notes.other_run(nccl_bw, run)
+            for r in (r for r in ours if r["case"].get("pipelined", 0) == piped):
+                bw = twin(rows, r, "busbw_GB_per_s")
+                what = (f"hybridengine tg={r['case'].get('tg')}" + (" + unpack" if r["case"].get("unpack") else "")
+                        + (f", {piped} layers pipelined (per layer)" if piped else ""))
+                body.append([model, sig(r["case"].get("MB")), what, dur_spread(r), sig(bw and bw["value"]),
+                             ratio(bw and bw["value"], nccl_bw and nccl_bw["value"]) + nccl_mark,
+                             ratio(fsdp and fsdp["value"], r["value"]) + fsdp_mark, run])
+            if nccl_bw:
+                body.append([model, sig(nccl_bw["case"].get("MB")), "nccl all_gather_into_tensor"
+                             + (f", {piped} back to back (per layer)" if piped else ""), dur_spread(nccl_s),
+                             sig(nccl_bw["value"]), "1.00", ratio(fsdp and fsdp["value"], nccl_s and nccl_s["value"]),
+                             nccl_bw["run_id"]])
         if fsdp:
             body.append([model, "–", "fsdp2 unshard+reshard (bf16 params)", dur_spread(fsdp), "–", "–", "1.00",
                          fsdp["run_id"]])
     return ("## Unit gather (one decoder layer, 2 GPUs)\n\n"
             "The training view's gather of `layers.0` (tg = 2 adds the unpack to natural layout) against one raw NCCL "
-            "all-gather of the same bytes and FSDP2's unshard + reshard of the same layer. busbw = layer bytes / time "
+            "all-gather of the same bytes and FSDP2's unshard + reshard of the same layer; pipelined: training's steady "
+            "state, consecutive layers prefetched back to back (all-gathers on one stream, unpacks on another), time "
+            "per layer, against as many raw all-gathers back to back. busbw = layer bytes / time "
             "x (n-1)/n. Speed vs FSDP2 = FSDP2's time / this row's time.\n\n"
             + table(["model", "layer MB", "provider", "time (p20–p80)", "busbw GB/s",
                      f"busbw / NCCL (goal >= {GOAL['unit_gather_vs_nccl']})", "speed vs FSDP2 unshard", "run"], body)
@@ -863,17 +892,28 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
             body.append([f"Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, {model} tg={tg}", dur(g["value"]),
                          dur(ds["value"]), f"{ratio(ds['value'], g['value'])}x", f">= {GOAL['switch_vs_deepspeed']}x",
                          _where(g, ds)])
+        backs = [r for r in own if matches(r, dict(bench="switch", provider="hybridengine", model=model,
+                                                   metric="seconds", case_tg=tg, case_direction="gen_to_train"))]
+        back = next((r for r in backs if "until" not in r["case"]), None)
+        released = next((r for r in backs if r["case"].get("until") == "pages released"), None)
         if g["case"].get("received_GB") == 0:
-            back = pick(own, bench="switch", provider="hybridengine", model=model, metric="seconds", case_tg=tg,
-                        case_direction="gen_to_train")
             body.append([f"Switch at tg={tg} (no bytes move), {model}: train->gen, gen->train", dur(g["value"]),
-                         dur(back and back["value"]), "–", "–", _where(g)])
+                         dur(back and back["value"]), "–", "< 1 ms", _where(g)])
+        elif back is not None and released is not None:
+            body.append([f"Switch gen->train, {model} tg={tg}: the call, and until its pages are released (host thread)",
+                         dur(back["value"]), dur(released["value"]), "–", "< 1 ms", _where(g)])
 
     ug = [r for r in latest(rows, "unit_gather") if r["provider"] == "hybridengine" and r["metric"] == "busbw_GB_per_s"]
     model = _headline_model(ug)
-    for r in sorted((r for r in ug if r["model"] == model), key=lambda r: r["case"].get("tg", 0)):
-        nccl, _ = peer(rows, r["run_id"], bench="unit_gather", provider="nccl", model=model, metric="busbw_GB_per_s")
+    for r in sorted((r for r in ug if r["model"] == model), key=lambda r: (r["case"].get("pipelined", 0),
+                                                                           r["case"].get("tg", 0))):
+        piped = r["case"].get("pipelined", 0)
+        nccl = next((x for x in in_run(rows, r["run_id"]) if matches(x, dict(bench="unit_gather", provider="nccl",
+                     model=model, metric="busbw_GB_per_s")) and x["case"].get("pipelined", 0) == piped), None)
+        if nccl is None and not piped:
+            nccl, _ = peer(rows, r["run_id"], bench="unit_gather", provider="nccl", model=model, metric="busbw_GB_per_s")
         unpack = " + unpack" if r["case"].get("unpack") else ""
+        unpack += f", {piped} layers pipelined vs {piped} all-gathers back to back" if piped else ""
         body.append([f"Unit gather busbw / NCCL all-gather busbw, {model} layer ({sig(r['case'].get('MB'))} MB), "
                      f"tg={r['case'].get('tg')}{unpack}", f"{sig(r['value'])} GB/s",
                      f"{sig(nccl and nccl['value'])} GB/s", ratio(r["value"], nccl and nccl["value"]),

@@ -7,6 +7,8 @@ Rows: bench `switch` (train_to_gen / gen_to_train, per tg), `unit_gather` (one d
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridengine.sharded import _all_gather
@@ -60,14 +62,27 @@ def switch(ctx: Ctx) -> None:
             for _ in range(2):  # warm-up: NCCL channels, first mappings
                 buf.switch_to_generation()
                 buf.switch_to_training()
-            to_gen, to_train = [], []
+            to_gen, to_train, released = [], [], []
             with ctx.peak() as pm:
                 for _ in range(ctx.reps(10)):
                     to_gen.append(ctx.timed(buf.switch_to_generation))
                     to_train.append(ctx.timed(buf.switch_to_training))
-            to_gen, to_train = ctx.slowest(to_gen), ctx.slowest(to_train)
+                    # The pages go back to the driver on a host thread after the call returns; in a
+                    # training loop that overlaps the next phase. Waited outside the timed calls, and
+                    # timed on its own below.
+                    buf.wait_released()
+                for _ in range(ctx.reps(10)):
+                    buf.switch_to_generation()
+                    ctx.sync()
+                    t0 = time.perf_counter()
+                    buf.switch_to_training()
+                    buf.wait_released()
+                    released.append(time.perf_counter() - t0)
+            to_gen, to_train, released = ctx.slowest(to_gen), ctx.slowest(to_train), ctx.slowest(released)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "seconds", to_gen)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train"}, "seconds", to_train)
+            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train", "until": "pages released"},
+                        "seconds", released)
             ctx.record_peak(pm, "switch", "hybridengine", model, {**case, "model_over_tg_GiB": gen_bytes / GiB})
             if recv_bytes:
                 ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "GB_per_s",
@@ -82,9 +97,12 @@ def switch(ctx: Ctx) -> None:
             ctx.rec.add("switch_memory", "hybridengine", model, {**case, "after": "100 round trips",
                                                                  "before_GiB": before / GiB}, "peak_GiB", after / GiB)
             ctx.log(f"  switch {model} tg={tp}: train->gen {quantiles(to_gen)[1] * 1e3:.2f} ms, gen->train "
-                    f"{quantiles(to_train)[1] * 1e3:.3f} ms, {recv_bytes / 1e9:.2f} GB received per rank, "
+                    f"{quantiles(to_train)[1] * 1e3:.3f} ms (pages released after {quantiles(released)[1] * 1e3:.2f} ms), "
+                    f"{recv_bytes / 1e9:.2f} GB received per rank, "
                     f"peak torch {pm.torch_gib:.2f} / nvml {pm.nvml_gib:.2f} GiB (model/tg {gen_bytes / GiB:.2f} GiB), "
                     f"mapped {before / GiB:.2f} -> {after / GiB:.2f} GiB after 100 trips")
+            if tp == 1:
+                _batch_sweep(ctx, buf, model, case)
             buf.close()
             del buf
             if tp == 1:  # the floor: the same bytes as one NCCL all-gather
@@ -93,6 +111,33 @@ def switch(ctx: Ctx) -> None:
                                                       "what": "one all_gather_into_tensor of the model"},
                             "seconds", floor)
                 ctx.log(f"  nccl all-gather of the same {gen_bytes / 1e9:.2f} GB: {quantiles(floor)[1] * 1e3:.2f} ms")
+
+
+def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
+    """train->gen at other NCCL group sizes (bytes received per group call; 0: one all-gather per unit)."""
+    from hybridengine.sharded import SWITCH_BATCH_BYTES
+
+    default = buf.switch_batch_bytes
+    for batch in (0, 256 << 20, 1 << 30, SWITCH_BATCH_BYTES, 8 << 30):
+        buf.switch_batch_bytes = batch
+
+        def trip():
+            buf.switch_to_generation()
+            ctx.sync()
+            buf.switch_to_training()
+            buf.wait_released()
+
+        trip()
+        times = []
+        for _ in range(ctx.reps(8)):
+            times.append(ctx.timed(buf.switch_to_generation))
+            buf.switch_to_training()
+            buf.wait_released()
+        times = ctx.slowest(times)
+        ctx.rec.add("switch_batch_sweep", "hybridengine", model, {**case, "direction": "train_to_gen",
+                                                                  "batch_MiB": batch >> 20}, "seconds", times)
+        ctx.log(f"  switch {model} batch {batch >> 20} MiB: train->gen {quantiles(times)[1] * 1e3:.2f} ms")
+    buf.switch_batch_bytes = default
 
 
 def unit_gather(ctx: Ctx) -> None:
@@ -120,12 +165,58 @@ def unit_gather(ctx: Ctx) -> None:
                         [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
             ctx.log(f"  unit gather {model} tg={tp}: {quantiles(times)[1] * 1e3:.3f} ms for {unit_bytes / 1e6:.0f} MB")
             buf.close()
+        _pipelined(ctx, model, specs, dtype)
         raw = _nccl_floor(ctx, unit_bytes // 2, dtype, "raw all-gather")
         ctx.rec.add("unit_gather", "nccl", model, dict(unit="layers.0", MB=round(unit_bytes / 1e6, 1)), "seconds", raw)
         ctx.rec.add("unit_gather", "nccl", model, dict(unit="layers.0", MB=round(unit_bytes / 1e6, 1)),
                     "busbw_GB_per_s", [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in raw])
         ctx.log(f"  raw all-gather of the same bytes: {quantiles(raw)[1] * 1e3:.3f} ms")
         _fsdp2_layer(ctx, model, cfg)
+
+
+def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
+    """Training's steady state: `layers` decoder layers prefetched back to back (all-gathers on the side
+    stream, unpacks on their own stream) and consumed in order, time per layer; against the same
+    number of raw all-gathers of a layer's bytes back to back."""
+    from hybridengine.sharded import ShardedBuffer
+
+    names = {f"layers.{i}" for i in range(layers)}
+    sub = [s for s in specs if s.unit in names]
+    for tp in [d for d in (1, 2) if ctx.world % d == 0]:
+        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp)
+        for s in buf.shard_views():
+            s.normal_()
+        n = len(buf.layout.units)
+        unit_bytes = buf.layout.units[0].numel * buf.layout.element_size
+
+        def run():
+            for u in range(n):
+                buf.prefetch_unit(u)
+            for u in range(n):
+                buf.gather_unit(u)
+
+        times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined tg={tp}")]
+        case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n)
+        ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
+        ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",
+                    [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
+        ctx.log(f"  unit gather {model} tg={tp}, {n} layers pipelined: {quantiles(times)[1] * 1e3:.3f} ms per layer")
+        buf.close()
+    layers = n
+    per_rank = unit_bytes // ctx.world // 2
+    outs = [torch.empty(per_rank * ctx.world, dtype=dtype, device=ctx.device) for _ in range(layers)]
+    inp = torch.randn(per_rank, device=ctx.device).to(dtype)
+
+    def raw():
+        for out in outs:
+            _all_gather(out, inp)
+
+    times = [t / layers for t in ctx.measure(raw, warmup=3, repeats=20, desc="raw back to back")]
+    case = dict(unit="layers.0", MB=round(per_rank * ctx.world * 2 / 1e6, 1), pipelined=layers)
+    ctx.rec.add("unit_gather", "nccl", model, case, "seconds", times)
+    ctx.rec.add("unit_gather", "nccl", model, case, "busbw_GB_per_s",
+                [per_rank * ctx.world * 2 / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
+    ctx.log(f"  raw all-gathers, {layers} back to back: {quantiles(times)[1] * 1e3:.3f} ms each")
 
 
 def _fsdp2_layer(ctx: Ctx, model: str, cfg) -> None:

@@ -263,6 +263,8 @@ class HybridEngine:
                               cuda_graph_capture_s=self._runner.graph_capture_s, runner_setup_s=time.perf_counter() - t1)
             yield self
         finally:
+            if self._runner is not None:
+                self._runner.close()
             self._runner = None
             if self.device.type == "cuda":
                 # The KV cache and the CUDA graphs' pool go back to the driver once nothing is in flight

@@ -148,7 +148,9 @@ def rope_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
             q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
             NUM_Q_HEADS=Hq, NUM_K_HEADS=k.shape[1], HALF=D // 2,
             BLOCK_H=triton.next_power_of_2(max(Hq, k.shape[1])), BLOCK_HALF=triton.next_power_of_2(D // 2),
-            num_warps=4,
+            # No FMA contraction: eager rounds each product before the sum. With it, fp32 (and fp16, which
+            # LLVM narrows to half mul + add) differed from eager in the last bit on the H200 (2026-11-30).
+            num_warps=4, enable_fp_fusion=False,
         )
     return q, k
 

@@ -92,6 +92,16 @@ class ModelRunner:
         if use_cuda_graphs and self.device.type == "cuda":
             self._capture(max_num_seqs)
 
+    def close(self) -> None:
+        """Drop the CUDA graphs (and their memory pool) and the KV cache now, not when a garbage
+        collection finds the runner: a rollout's exit frees that memory before training starts."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self._staging.clear()
+        self._host_views.clear()
+        self.kv = None
+
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]

@@ -7,8 +7,9 @@
   next rollout reads. On CUDA, G is a reserved virtual range (`VmmRange`): the own shards stay
   mapped; `switch_to_generation()` maps one physical allocation per (unit, other shard) and
   all-gathers into it in place within the micro-DP group (the m ranks sharing slice t);
-  `switch_to_training()` unmaps them. With tg = N nothing moves. On CPU, and where the VMM API is
-  unavailable, G is an ordinary tensor (the switch then only communicates).
+  `switch_to_training()` unmaps them (on a host thread, after the queued GPU work). With tg = N
+  nothing moves. On CPU, and where the VMM API is unavailable, G is an ordinary tensor (the switch
+  then only communicates).
 - **Training-view gathers**: `gather_unit(u)` all-gathers unit u's shards from all N ranks (the
   concatenation in rank order *is* the slice-major unit) and unpacks it to natural layout with
   the fused segment copy; with tg = 1 the gathered buffer already is the natural layout.
@@ -32,6 +33,10 @@ import torch.distributed as dist
 from .layout import ParamSpec, ShardedLayout
 from .ops import prepare_table, segment_copy
 from .vmm import VmmRange
+
+SWITCH_BATCH_BYTES = 2 << 30
+"""Received bytes per NCCL group call of the switch (NCCL all-gather bus bandwidth on the H200 pair:
+230 GB/s at 256 MiB, 258 at 1 GiB, 276 at 4 GiB)."""
 
 # torch 2.13 renamed the tensor collectives (same signatures); 2.11 only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -106,8 +111,55 @@ class GenerationBuffer:
             if self.vmm.is_mapped(off):
                 self.vmm.unmap(off)
 
+    def release_others_deferred(self) -> None:
+        """Unmap every other shard once the current stream's queued work is done, on a host thread."""
+        if self.vmm is None:
+            return
+        offsets = [off for u in range(len(self.layout.units)) for off, _ in self._other_shard_bytes(u)
+                   if self.vmm.is_mapped(off)]
+        self.vmm.unmap_after_current_stream(offsets)
+
+    def wait_released(self) -> None:
+        """Join a deferred release (no-op without one)."""
+        if self.vmm is not None:
+            self.vmm.wait_released()
+
     def mapped_bytes(self) -> int:
-        return self.vmm.mapped_bytes() if self.vmm is not None else self.data.numel() * self.element_size
+        """Bytes of G backed by memory; waits for a deferred release first."""
+        if self.vmm is None:
+            return self.data.numel() * self.element_size
+        self.vmm.wait_released()
+        return self.vmm.mapped_bytes()
+
+
+def switch_batches(layout: ShardedLayout, batch_bytes: int) -> list[list[int]]:
+    """Unit batches of the switch: the smallest unit alone (its mapping is the one not hidden under an
+    all-gather), then the rest in layout order, about `batch_bytes` received bytes a batch (0: one unit)."""
+    units = layout.units
+    order = sorted(range(len(units)), key=lambda u: units[u].shard_numel)
+    order = order[:1] + sorted(order[1:])
+    if batch_bytes == 0:
+        return [[u] for u in order]
+    batches, current, size = [order[:1]], [], 0
+    for u in order[1:]:
+        received = units[u].shard_numel * (layout.num_shards - 1) * layout.element_size
+        if current and size + received > batch_bytes:
+            batches.append(current)
+            current, size = [], 0
+        current.append(u)
+        size += received
+    return batches + ([current] if current else [])
+
+
+class _Works:
+    """Several async collective works waited as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 @dataclass(slots=True)
@@ -121,8 +173,13 @@ class ShardedBuffer:
 
     def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
-                 timeout: datetime.timedelta | None = None):
-        """`timeout` bounds the collectives of the subgroups made here (default: the process group's)."""
+                 timeout: datetime.timedelta | None = None, switch_batch_bytes: int = SWITCH_BATCH_BYTES):
+        """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
+        `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
+        (0: one all-gather per unit)."""
+        if switch_batch_bytes < 0:
+            raise ValueError(f"switch_batch_bytes must be >= 0, got {switch_batch_bytes}")
+        self.switch_batch_bytes = switch_batch_bytes
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
         self.local = not dist.is_initialized()
         if self.local and group is not None:
@@ -158,8 +215,13 @@ class ShardedBuffer:
         self.state = "training"
         self._unpack = [None] * len(self.layout.units)
         self._pack = [None] * len(self.layout.units)
-        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self._side_stream = torch.cuda.Stream(self.device) if cuda else None  # prefetch all-gathers
+        self._unpack_stream = torch.cuda.Stream(self.device) if cuda else None  # their unpacks (tg > 1)
         self._prefetched: dict[int, _Prefetch] = {}
+        # NCCL group calls (one launch for several units' all-gathers) need the NCCL backend.
+        self._coalesce = (cuda and self.micro_dp_group is not None
+                          and dist.get_backend(self.micro_dp_group) == "nccl")
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -210,36 +272,60 @@ class ShardedBuffer:
     # -- the switch ---------------------------------------------------------------------------------
 
     def switch_to_generation(self) -> None:
-        """Make G hold this rank's full TP slice of every unit: all-gather within the micro-DP group."""
+        """Make G hold this rank's full TP slice of every unit: all-gather within the micro-DP group.
+
+        Units go in batches of about `switch_batch_bytes` received bytes, the smallest unit first: a
+        batch's pages are mapped (host, ~1.3 ms/GiB) while the previous batch's all-gathers run, and a
+        batch's all-gathers are one NCCL group call (NCCL's bus bandwidth grows with the transfer: see
+        SWITCH_BATCH_BYTES)."""
         self._expect("training", "switch_to_generation")
-        gathering = self.layout.num_shards > 1
+        self.gen.wait_released()  # a deferred release of the last switch back must be done first
         works, mapped = [], []
-        for u in range(len(self.layout.units)):
-            try:
-                self.gen.map_unit(u)  # host-side; overlaps the all-gather of unit u-1 already in flight
-            except RuntimeError as e:
-                for w in works:
-                    w.wait()
-                for v in mapped:
-                    self.gen.unmap_unit(v)
-                raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map unit "
-                                   f"{self.layout.units[u].name!r}; the buffer is back in training state: {e}") from e
-            mapped.append(u)
-            if gathering:
-                works.append(_all_gather(self.gen.unit_slice(u), self.gen.own_shard(u), group=self.micro_dp_group,
-                                         async_op=True))
+        for batch in self._switch_batches():
+            for u in batch:
+                try:
+                    self.gen.map_unit(u)  # host-side; the previous batch's all-gathers are in flight
+                except RuntimeError as e:
+                    for w in works:
+                        w.wait()
+                    for v in mapped:
+                        self.gen.unmap_unit(v)
+                    raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map unit "
+                                       f"{self.layout.units[u].name!r}; the buffer is back in training state: "
+                                       f"{e}") from e
+                mapped.append(u)
+            if self.layout.num_shards > 1:
+                works.append(self._gather_slices(batch))
         for w in works:
             w.wait()
         self.state = "generation"
 
+    def _switch_batches(self) -> list[list[int]]:
+        return switch_batches(self.layout, self.switch_batch_bytes if self._coalesce else 0)
+
+    def _gather_slices(self, batch: list[int]):
+        """Async all-gather of the listed units' slices in G (one NCCL group call when coalescing)."""
+        group = self.micro_dp_group
+        if len(batch) == 1 or not self._coalesce:
+            return _Works([_all_gather(self.gen.unit_slice(u), self.gen.own_shard(u), group=group, async_op=True)
+                           for u in batch])
+        with dist._coalescing_manager(group=group, device=self.device, async_ops=True) as cm:
+            for u in batch:
+                dist.all_gather_into_tensor(self.gen.unit_slice(u), self.gen.own_shard(u), group=group)
+        return cm
+
     def switch_to_training(self) -> None:
-        """Release the other shards of G (VMM: unmap); the own shards stay where they are."""
+        """Release the other shards of G (VMM: unmapped on a host thread once the work queued on the
+        current stream is done, so the call returns in microseconds); the own shards stay. The release
+        overlaps what the caller does next; `wait_released()` joins it, and the next
+        `switch_to_generation()` does so first."""
         self._expect("generation", "switch_to_training")
-        if self.gen.vmm is not None:
-            torch.cuda.current_stream(self.device).synchronize()  # nothing may still read what we unmap
-            for u in range(len(self.layout.units)):
-                self.gen.unmap_unit(u)
+        self.gen.release_others_deferred()
         self.state = "training"
+
+    def wait_released(self) -> None:
+        """Wait until the generation pages released by `switch_to_training` are back with the driver."""
+        self.gen.wait_released()
 
     def generation_views(self) -> dict[str, torch.Tensor]:
         """TP-slice views of every parameter in G (valid in the generation state)."""
@@ -276,7 +362,8 @@ class ShardedBuffer:
             segment_copy(natural, packed, self._table(u, pack=True))
         return packed
 
-    def _gather(self, u: int) -> torch.Tensor:
+    def _gather_packed(self, u: int) -> torch.Tensor:
+        """Unit u slice-major (all-gathered from every rank), or its natural view when no copy is needed."""
         unit = self.layout.units[u]
         if self.world_size == 1 and self.layout.tp_size == 1:
             return self.gen.unit_slice(u)[:unit.natural_numel]  # the shard is the whole unit: zero-copy
@@ -284,12 +371,22 @@ class ShardedBuffer:
         _all_gather(full, self.gen.own_shard(u), group=self.group)
         if self.layout.tp_size == 1:
             return full[:unit.natural_numel]  # slice-major with one slice is the natural layout
-        natural = torch.empty(unit.natural_numel, dtype=full.dtype, device=self.device)
+        return full
+
+    def _unpack_unit(self, u: int, full: torch.Tensor) -> torch.Tensor:
+        natural = torch.empty(self.layout.units[u].natural_numel, dtype=full.dtype, device=self.device)
         segment_copy(full, natural, self._table(u, pack=False))
         return natural
 
+    def _gather(self, u: int) -> torch.Tensor:
+        full = self._gather_packed(u)
+        return self._unpack_unit(u, full) if self.layout.tp_size > 1 else full
+
     def prefetch_unit(self, u: int) -> None:
-        """Start gathering unit u (CUDA: on a side stream, so it overlaps the current unit's compute)."""
+        """Start gathering unit u (CUDA: on a side stream, so it overlaps the current unit's compute).
+
+        With tg > 1 the unpack to natural layout runs on a third stream: the side stream's next
+        all-gather does not queue behind it, so consecutive prefetches pipeline gather and unpack."""
         if u in self._prefetched or not 0 <= u < len(self.layout.units):
             return
         if self._side_stream is None:
@@ -297,9 +394,16 @@ class ShardedBuffer:
             return
         self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side_stream):
-            natural = self._gather(u)
-            event = torch.cuda.Event()
-            event.record(self._side_stream)
+            natural = self._gather_packed(u)
+        last = self._side_stream
+        if self.layout.tp_size > 1:
+            full, last = natural, self._unpack_stream
+            last.wait_stream(self._side_stream)
+            with torch.cuda.stream(last):
+                natural = self._unpack_unit(u, full)
+            full.record_stream(last)
+        event = torch.cuda.Event()
+        event.record(last)
         self._prefetched[u] = _Prefetch(natural, event)
 
     def clear_prefetch(self) -> None:
@@ -342,4 +446,6 @@ class ShardedBuffer:
     def close(self) -> None:
         """Release G (and with it every mapping)."""
         self._prefetched.clear()
+        if self.gen is not None:
+            self.gen.wait_released()
         self.gen = None

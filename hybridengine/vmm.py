@@ -1,8 +1,8 @@
 """Python face of the extension's CUDA VMM range (csrc/vmm_cuda.cpp): errors become exceptions.
 
 A reserved virtual address range on one GPU; `map(offset, nbytes)` backs a piece of it with its own
-physical allocation, `unmap(offset)` releases it, `tensor(dtype)` is a torch view of the whole range
-(touch only mapped parts).
+physical allocation, `unmap(offset)` releases it (`unmap_after_current_stream`: later, on a host
+thread), `tensor(dtype)` is a torch view of the whole range (touch only mapped parts).
 """
 
 from __future__ import annotations
@@ -41,6 +41,14 @@ class VmmRange:
 
     def unmap(self, offset: int) -> None:
         _raise(self._range.unmap(int(offset)))
+
+    def unmap_after_current_stream(self, offsets: list[int]) -> None:
+        """Release the allocations at `offsets` on a host thread once the current CUDA stream's queued
+        work is done; returns at once. `wait_released()` joins (and raises what the thread hit)."""
+        _raise(self._range.unmap_after_current_stream([int(o) for o in offsets]))
+
+    def wait_released(self) -> None:
+        _raise(self._range.wait_released())
 
     def is_mapped(self, offset: int) -> bool:
         return self._range.is_mapped(int(offset))

@@ -17,10 +17,14 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
-    for model, dtype in [("odd-hidden", torch.float32), ("tied-no-bias", torch.bfloat16)]:
-        check_sharded_buffer(rank, world, model, dtype, device="cuda")
+    # switch_batch_bytes: the default (all but the first unit in one NCCL group call), 0 (one all-gather
+    # per unit), 4 MiB (small groups).
+    for model, dtype, batch in [("odd-hidden", torch.float32, None), ("tied-no-bias", torch.bfloat16, None),
+                                ("odd-hidden", torch.bfloat16, 0), ("tied-no-bias", torch.float32, 4 << 20)]:
+        kwargs = {} if batch is None else {"switch_batch_bytes": batch}
+        check_sharded_buffer(rank, world, model, dtype, device="cuda", **kwargs)
         if rank == 0:
-            print(f"dist_sharded: {model} {dtype} world_size={world}: all checks passed", flush=True)
+            print(f"dist_sharded: {model} {dtype} world_size={world} {kwargs}: all checks passed", flush=True)
     dist.destroy_process_group()
 
 

@@ -166,9 +166,9 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     assert "| qwen2-7b | deepspeed_gather_once (timer_sync=True) | 900 (900–900) | – | 32,997 | 0.03 | 0.50 |" in text
     assert "no Qwen2 container" in text
     # Switch, all in r1: 31.5 ms / NCCL 25 ms = 1.26; ZeRO-3 47.25 ms / 31.5 = 1.50; FSDP2 52.5 / 31.5 = 1.67.
-    assert ("| qwen2-7b | 1 | 31.5 ms (31.5–31.5) | 7.00 ms (7.00–7.00) | 7.60 | – | 25.0 ms (25.0–25.0) | 1.26 | 1.50 | "
+    assert ("| qwen2-7b | 1 | 31.5 ms (31.5–31.5) | 7.00 ms (7.00–7.00) | – | 7.60 | – | 25.0 ms (25.0–25.0) | 1.26 | 1.50 | "
             "1.67 | 16.3 (14.2) | 7.10 → 7.10 | r1 |") in text
-    assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | 0 | – | no bytes move | – | – | – |" in text
+    assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | – | – | – |" in text
     # Unit gather: 225 / 250 GB/s = 0.90; FSDP2 2.1 ms / 1.05 ms = 2.00.
     assert "| qwen2-7b | 470 | hybridengine tg=1 | 1.05 ms (1.05–1.05) | 225 | 0.90 | 2.00 | r1 |" in text
     # Generate: one GPU at 2,700 tok/s vs the peers' per-GPU rates of run r1 (2 GPUs), marked as another run.

@@ -84,6 +84,11 @@ def test_silu_mul_kernel(device, dtype, rows, cols):
     # to absorb the exp's own error: two exp implementations differ by up to 2 fp32 ulp, and 1 + e and
     # the division add one each, so 4.
     ulps = 4.0 if dtype == torch.float32 else 2.0
+    if dtype == torch.float32 and gate.is_cuda:
+        # On the GPU tl.exp is ex2.approx(g * log2 e): the product's rounding (2^-24 relative) scales by
+        # |g| ln 2 log2 e = |g| in the exponent, so exp(-g) is off by up to |g| ulp more; the 4-ulp bound
+        # failed there (H200, 2026-11-30). bf16/fp16 absorb that in their rounding.
+        ulps += gate.abs().max().item()
     assert_within_ulp(fused.silu_mul_triton(gate, up), fused.silu_mul_ref(gate, up), ulps=ulps)
 
 

@@ -21,14 +21,14 @@ def full_params(specs, dtype, seed=1234):
     return {s.name: torch.randn(s.shape, generator=gen).to(dtype) for s in specs}
 
 
-def check_sharded_buffer(rank, world_size, model, dtype, device="cpu"):
+def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_kwargs):
     """Every check of the issue for one world size, all tg dividing it (gloo on CPU, NCCL on GPU)."""
     from hybridengine.sharded import ShardedBuffer
 
     specs = model_specs(**MODELS[model])
     params = {k: v.to(device) for k, v in full_params(specs, dtype).items()}
     for tp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
-        buf = ShardedBuffer(specs, dtype=dtype, tp_size=tp, device=device)
+        buf = ShardedBuffer(specs, dtype=dtype, tp_size=tp, device=device, **buffer_kwargs)
         buf.load_(params)
         shards_before = [s.clone() for s in buf.shard_views()]
         ptrs_before = [s.data_ptr() for s in buf.shard_views()]
@@ -40,6 +40,12 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu"):
                 assert torch.equal(buf.natural_view(natural, s.name), params[s.name]), (tp, s.name)
         buf.prefetch_unit(1)
         assert torch.equal(buf.natural_view(buf.gather_unit(1), specs[1].name), params[specs[1].name])
+        for u in range(len(buf.layout.units)):  # every unit prefetched at once: gathers and unpacks pipeline
+            buf.prefetch_unit(u)
+        for u, unit in enumerate(buf.layout.units):
+            natural = buf.gather_unit(u)
+            for s in unit.params:
+                assert torch.equal(buf.natural_view(natural, s.name), params[s.name]), (tp, "prefetched", s.name)
 
         # Generation views equal the reference TP slices, bitwise, for 50 round trips.
         t = rank // (world_size // tp)
@@ -188,3 +194,23 @@ def test_failed_mapping_leaves_training_state(monkeypatch):
             buf.gather_unit(0)
     finally:
         dist.destroy_process_group()
+
+
+def test_switch_batches_cover_every_unit_once():
+    """The switch's NCCL group calls: the smallest unit alone first, then units in layout order, each
+    batch within switch_batch_bytes of received bytes unless one unit alone exceeds it."""
+    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharded import switch_batches
+
+    specs = model_specs(**MODELS["odd-hidden"])
+    lay = ShardedLayout(specs, world_size=4, tp_size=2)
+    received = [u.shard_numel * (lay.num_shards - 1) * lay.element_size for u in lay.units]
+    for limit in (1, min(received), 2 * max(received), sum(received)):
+        batches = switch_batches(lay, limit)
+        flat = [u for b in batches for u in b]
+        assert sorted(flat) == list(range(len(lay.units)))
+        assert received[batches[0][0]] == min(received) and len(batches[0]) == 1
+        assert flat[1:] == sorted(flat[1:])
+        for b in batches[1:]:
+            assert len(b) == 1 or sum(received[u] for u in b) <= limit, (limit, b)
+    assert [len(b) for b in switch_batches(lay, 0)] == [1] * len(lay.units)

@@ -32,6 +32,31 @@ def test_map_write_read_unmap():
     assert bool((t[2 * n:] == 3).all()) and torch.equal(t[:n].cpu(), torch.arange(n, dtype=torch.float32))
 
 
+def test_deferred_release_waits_for_queued_work():
+    """unmap_after_current_stream returns at once; the pages stay until the work queued before it
+    (a copy out of them, behind ~25 ms of GPU sleep) has run, then go back to the driver."""
+    r = vmm_range(2 << 21)
+    g = r.granularity
+    r.map(0, g)
+    r.map(g, g)
+    t = r.tensor(torch.float32)
+    n = g // 4
+    t[n:2 * n].fill_(4)
+    out = torch.empty(n, device="cuda")
+    torch.cuda._sleep(50_000_000)
+    out.copy_(t[n:2 * n])
+    r.unmap_after_current_stream([g])
+    assert r.mapped_bytes() == 2 * g and not r.is_mapped(g)  # pending: still backed, no longer mappable by us
+    r.wait_released()
+    assert r.mapped_bytes() == g
+    assert bool((out == 4).all())
+    with pytest.raises(ValueError, match="nothing was mapped at offset"):
+        r.unmap_after_current_stream([0, g])  # checked before anything changes
+    assert r.mapped_bytes() == g and r.is_mapped(0)
+    r.map(g, g)  # the offset is free again
+    assert r.mapped_bytes() == 2 * g
+
+
 def test_errors():
     r = vmm_range(4 << 21)
     g = r.granularity
