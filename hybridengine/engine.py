@@ -265,7 +265,7 @@ class HybridEngine:
         finally:
             if self._runner is not None:
                 self._runner.close()
-            self._runner = None
+            self._runner = kv = None  # this frame's reference too: empty_cache below must see the cache freed
             if self.device.type == "cuda":
                 # The KV cache and the CUDA graphs' pool go back to the driver once nothing is in flight
                 # (the next switch maps generation pages outside torch's allocator). No gc.collect here:
