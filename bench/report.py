@@ -335,10 +335,11 @@ def _switch_sweep_table(rows: list[dict]) -> str:
     sel = [r for r in latest(rows, "switch_batch_sweep") if r["metric"] == "seconds"]
     if not sel:
         return ""
-    body = [[r["model"], str(r["case"].get("batch_MiB")) if r["case"].get("batch_MiB") else "one all-gather per unit",
-             dur_spread(r), r["run_id"]] for r in sorted(sel, key=lambda r: (r["model"], r["case"].get("batch_MiB", 0)))]
+    body = [[r["model"], (str(r["case"].get("batch_MiB")) if r["case"].get("batch_MiB") else "one all-gather per unit")
+             + (f", pages {r['case']['pages']}" if "pages" in r["case"] else ""), dur_spread(r), r["run_id"]] for r in sorted(sel, key=lambda r: (r["model"], r["case"].get("batch_MiB", 0)))]
     return ("### Switch by NCCL group size (tg = 1)\n\n`switch_batch_bytes`: received bytes gathered per NCCL group "
-            "call (the default is 2048 MiB).\n\n"
+            "call (the default is 2048 MiB); \"pages kept mapped\": `switch_to_training(release=False)` kept the generation "
+            "pages between switches, so no mapping is left in the switch.\n\n"
             + table(["model", "MiB per group call", "train->gen (p20–p80)", "run"], body) + "\n\n")
 
 
@@ -545,7 +546,8 @@ def train_section(rows: list[dict]) -> str:
         tok = twin(rows, r, "tokens_per_s")
         p, _ = _train_peer(rows, r, PEER["train_step"])
         torch_peak, nvml_peak = _peaks(sel, r)
-        label = r["provider"] + (f" ({r['case']['layout']})" if "layout" in r["case"] else "")
+        label = r["provider"] + (f" ({r['case']['layout']}{', fused_training' if r['case'].get('fused_training') else ''})"
+                                 if "layout" in r["case"] else "")
         body.append([r["model"], label, "on" if _ckpt(r) else "off", spread(r, 1, 3), fmt(tok and tok["value"]),
                      fmt(floor, 3), ratio(floor, r["value"]),
                      ratio(p and p["value"], r["value"]) + notes.other_run(p, r["run_id"]),
@@ -980,12 +982,15 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
     model = _headline_model([r for r in tr if r["provider"] == "hybridengine"]) or _headline_model(tr)
     dense = [r for r in tr if r["case"].get("layout", "dense") == "dense"]
     ours_rows = [r for r in dense if r["provider"] == "hybridengine" and r["model"] == model]
-    for ours in sorted(ours_rows, key=_ckpt):
+    for ours in sorted(ours_rows, key=lambda r: (_ckpt(r), bool(r["case"].get("fused_training")))):
         setting = "on" if _ckpt(ours) else "off"
+        if "fused_training" in ours["case"]:
+            setting += f" (fused_training {'on' if ours['case']['fused_training'] else 'off'})"
         for provider, label in (("fsdp2", "FSDP2"), ("deepspeed_zero3", "DeepSpeed ZeRO-3")):
             p, _ = _train_peer(rows, ours, provider, any_setting=True)
             if p is not None:
-                sides = (f"activation checkpointing {setting} on both sides" if _ckpt(p) == _ckpt(ours) else
+                sides = (f"activation checkpointing {'on' if _ckpt(ours) else 'off'} on both sides, ours {setting}"
+                         if _ckpt(p) == _ckpt(ours) else
                          f"activation checkpointing: ours {setting}, peer {'on' if _ckpt(p) else 'off'}")
                 body.append([f"Train step speed vs {label}, {model}, per GPU {ours['case'].get('batch_per_gpu')} x "
                              f"{ours['case'].get('seq')} tokens, {sides}",

@@ -138,6 +138,20 @@ def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
                                                                   "batch_MiB": batch >> 20}, "seconds", times)
         ctx.log(f"  switch {model} batch {batch >> 20} MiB: train->gen {quantiles(times)[1] * 1e3:.2f} ms")
     buf.switch_batch_bytes = default
+    # Pages kept mapped between rollouts (switch_to_training(release=False)): the switch is the all-gather alone.
+    buf.switch_to_generation()
+    buf.switch_to_training(release=False)
+    times = []
+    for _ in range(ctx.reps(8)):
+        times.append(ctx.timed(buf.switch_to_generation))
+        buf.switch_to_training(release=False)
+    times = ctx.slowest(times)
+    buf.release_generation_pages()
+    buf.wait_released()
+    ctx.rec.add("switch_batch_sweep", "hybridengine", model, {**case, "direction": "train_to_gen",
+                                                              "batch_MiB": default >> 20, "pages": "kept mapped"},
+                "seconds", times)
+    ctx.log(f"  switch {model} pages kept mapped: train->gen {quantiles(times)[1] * 1e3:.2f} ms")
 
 
 def unit_gather(ctx: Ctx) -> None:

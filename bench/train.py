@@ -38,5 +38,16 @@ def train_step(ctx: Ctx) -> None:
                     times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5,
                                         desc=f"train_step {name}")
                 record_train(ctx, "hybridengine", model, times, pm, layout=name,
-                             activation_checkpointing=checkpointing)
+                             activation_checkpointing=checkpointing, fused_training=engine.config.fused_training)
+            if name == "dense":  # the other EngineConfig.fused_training setting (Triton norms, RoPE, SiLU * up)
+                engine._trainer().fused = not engine.config.fused_training
+                for checkpointing in (False, True):
+                    ppo = he.PPOConfig(micro_batch_tokens=tokens, lr=1e-6, max_grad_norm=1.0,
+                                       activation_checkpointing=checkpointing)
+                    with ctx.peak() as pm:
+                        times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5,
+                                            desc="train_step fused")
+                    record_train(ctx, "hybridengine", model, times, pm, layout=name,
+                                 activation_checkpointing=checkpointing, fused_training=not engine.config.fused_training)
+                engine._trainer().fused = engine.config.fused_training
         del engine

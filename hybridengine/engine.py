@@ -64,10 +64,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 16384
     """Most prompt tokens in one prefill step (a longer prompt runs alone)."""
     cuda_graphs: bool = True
-    fused_training: bool = False
+    fused_training: bool = True
     """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
-    `hybridengine.fused` instead of eager torch (fewer kernels per layer). Off by default until measured
-    on the GPU; CPU tests cover it under the Triton interpreter."""
+    `hybridengine.fused` instead of eager torch (fewer kernels, fewer saved tensors). On 2 x H200
+    (2026-11-30, 4 x 1024 tokens per GPU) it made the step 8-10% faster and the 7B peak 8% lower with
+    checkpointing off. Ignored on CPU (eager torch there)."""
     seed: int = 0
     """Seed of random initialisation (when the source is a config) and of unseeded sampling."""
 
@@ -217,7 +218,7 @@ class HybridEngine:
             raise RuntimeError("training calls (log_probs, ppo_step) are not allowed inside rollout()")
         if self._training is None:
             self._training = Trainer(self.sharded, self.model_config, optimizer_config=cfg,
-                                     fused=self.config.fused_training)
+                                     fused=self.config.fused_training and self.device.type == "cuda")
         return self._training
 
     def log_probs(self, batch, *, temperature: float = 1.0, return_entropy: bool = False):

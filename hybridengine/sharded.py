@@ -7,9 +7,9 @@
   next rollout reads. On CUDA, G is a reserved virtual range (`VmmRange`): the own shards stay
   mapped; `switch_to_generation()` maps one physical allocation per (unit, other shard) and
   all-gathers into it in place within the micro-DP group (the m ranks sharing slice t);
-  `switch_to_training()` unmaps them (on a host thread, after the queued GPU work). With tg = N
-  nothing moves. On CPU, and where the VMM API is unavailable, G is an ordinary tensor (the switch
-  then only communicates).
+  `switch_to_training()` unmaps them (on a host thread, after the queued GPU work), unless asked to
+  keep them mapped for the next rollout (`release=False`). With tg = N nothing moves. On CPU, and
+  where the VMM API is unavailable, G is an ordinary tensor (the switch then only communicates).
 - **Training-view gathers**: `gather_unit(u)` all-gathers unit u's shards from all N ranks (the
   concatenation in rank order *is* the slice-major unit) and unpacks it to natural layout with
   the fused segment copy; with tg = 1 the gathered buffer already is the natural layout.
@@ -90,34 +90,40 @@ class GenerationBuffer:
         return [((g + j * unit.shard_numel) * es, unit.shard_numel * es)
                 for j in range(self.layout.num_shards) if j != own]
 
-    def map_unit(self, u: int) -> None:
-        """Back the other shards of unit u with memory (one allocation each); all or nothing."""
+    def map_unit(self, u: int) -> list[int]:
+        """Back the other shards of unit u not mapped yet with memory (one allocation each); all or
+        nothing. Returns the byte offsets this call mapped (none without VMM or if all were mapped)."""
         if self.vmm is None:
-            return
+            return []
         done = []
         try:
             for off, n in self._other_shard_bytes(u):
-                self.vmm.map(off, n)
-                done.append(off)
+                if not self.vmm.is_mapped(off):
+                    self.vmm.map(off, n)
+                    done.append(off)
         except RuntimeError:
             for off in done:
                 self.vmm.unmap(off)
             raise
+        return done
 
-    def unmap_unit(self, u: int) -> None:
+    def unmap_unit(self, u: int, offsets: list[int] | None = None) -> None:
+        """Unmap the other shards of unit u (only those at byte `offsets`, when given)."""
         if self.vmm is None:
             return
         for off, _ in self._other_shard_bytes(u):
-            if self.vmm.is_mapped(off):
+            if (offsets is None or off in offsets) and self.vmm.is_mapped(off):
                 self.vmm.unmap(off)
 
     def release_others_deferred(self) -> None:
-        """Unmap every other shard once the current stream's queued work is done, on a host thread."""
+        """Unmap every other shard once the current stream's queued work is done, on a host thread
+        (no-op when none is mapped)."""
         if self.vmm is None:
             return
         offsets = [off for u in range(len(self.layout.units)) for off, _ in self._other_shard_bytes(u)
                    if self.vmm.is_mapped(off)]
-        self.vmm.unmap_after_current_stream(offsets)
+        if offsets:
+            self.vmm.unmap_after_current_stream(offsets)
 
     def wait_released(self) -> None:
         """Join a deferred release (no-op without one)."""
@@ -277,23 +283,26 @@ class ShardedBuffer:
         Units go in batches of about `switch_batch_bytes` received bytes, the smallest unit first: a
         batch's pages are mapped (host, ~1.3 ms/GiB) while the previous batch's all-gathers run, and a
         batch's all-gathers are one NCCL group call (NCCL's bus bandwidth grows with the transfer: see
-        SWITCH_BATCH_BYTES)."""
+        SWITCH_BATCH_BYTES). Pages kept mapped by `switch_to_training(release=False)` are not mapped
+        again, only gathered into. If a mapping fails, what this call mapped is unmapped again (kept
+        pages stay) and the buffer stays in the training state."""
         self._expect("training", "switch_to_generation")
         self.gen.wait_released()  # a deferred release of the last switch back must be done first
-        works, mapped = [], []
+        works, mapped = [], []  # mapped: (unit, byte offsets this call mapped for it)
         for batch in self._switch_batches():
             for u in batch:
                 try:
-                    self.gen.map_unit(u)  # host-side; the previous batch's all-gathers are in flight
+                    offsets = self.gen.map_unit(u)  # host-side; the previous batch's all-gathers are in flight
                 except RuntimeError as e:
                     for w in works:
                         w.wait()
-                    for v in mapped:
-                        self.gen.unmap_unit(v)
+                    for v, offs in mapped:
+                        self.gen.unmap_unit(v, offs)
                     raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map unit "
                                        f"{self.layout.units[u].name!r}; the buffer is back in training state: "
                                        f"{e}") from e
-                mapped.append(u)
+                if offsets:
+                    mapped.append((u, offsets))
             if self.layout.num_shards > 1:
                 works.append(self._gather_slices(batch))
         for w in works:
@@ -314,14 +323,26 @@ class ShardedBuffer:
                 dist.all_gather_into_tensor(self.gen.unit_slice(u), self.gen.own_shard(u), group=group)
         return cm
 
-    def switch_to_training(self) -> None:
+    def switch_to_training(self, release: bool = True) -> None:
         """Release the other shards of G (VMM: unmapped on a host thread once the work queued on the
         current stream is done, so the call returns in microseconds); the own shards stay. The release
         overlaps what the caller does next; `wait_released()` joins it, and the next
-        `switch_to_generation()` does so first."""
+        `switch_to_generation()` does so first.
+
+        `release=False` keeps the other shards mapped, so the next `switch_to_generation()` is only the
+        all-gather: memory stays at model/tg per rank through training. The kept pages hold stale data
+        (the last rollout's weights) until that all-gather overwrites them; training must not read them.
+        `release_generation_pages()` gives them back later."""
         self._expect("generation", "switch_to_training")
-        self.gen.release_others_deferred()
+        if release:
+            self.gen.release_others_deferred()
         self.state = "training"
+
+    def release_generation_pages(self) -> None:
+        """Release the pages kept by `switch_to_training(release=False)` (deferred, as that call does);
+        a no-op when none are kept or without VMM."""
+        self._expect("training", "release_generation_pages")
+        self.gen.release_others_deferred()
 
     def wait_released(self) -> None:
         """Wait until the generation pages released by `switch_to_training` are back with the driver."""

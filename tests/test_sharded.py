@@ -63,6 +63,29 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_
         if buf.gen.vmm is not None:  # only the own shards stay mapped between rollouts
             assert buf.gen.mapped_bytes() == buf.layout.shard_numel * buf.layout.element_size
 
+        # Generation pages kept mapped between rollouts (release=False): the next switch only all-gathers
+        # into them, and optimizer writes between rollouts (+1, then -1) show up in it all the same.
+        for trip, bump in enumerate([0, 1, 0]):
+            buf.switch_to_generation()
+            views = buf.generation_views()
+            for s in specs:
+                expected = reference_tp_slice(params[s.name].cpu(), s.role, t, tp)
+                assert torch.equal(views[s.name].cpu(), expected + 1 if bump else expected), (tp, "kept", trip, s.name)
+            buf.switch_to_training(release=False)
+            assert buf.state == "training"
+            if buf.gen.vmm is not None:  # the whole of G stays mapped
+                assert buf.gen.mapped_bytes() == buf.layout.gen_numel * buf.layout.element_size
+            for s, before in zip(buf.shard_views(), shards_before):
+                if trip == 0:
+                    s.add_(1)
+                else:  # back to the loaded values exactly (x + 1 - 1 need not round to x)
+                    s.copy_(before)
+        buf.release_generation_pages()
+        buf.release_generation_pages()  # nothing left to release: a no-op
+        assert all(torch.equal(a, b) for a, b in zip(buf.shard_views(), shards_before))
+        if buf.gen.vmm is not None:
+            assert buf.gen.mapped_bytes() == buf.layout.shard_numel * buf.layout.element_size
+
         # An optimizer write into the shard is what the next rollout sees: no sync step.
         for s in buf.shard_views():
             s.add_(1)
@@ -95,6 +118,14 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_
         except RuntimeError as e:
             assert f"rank {rank}" in str(e) and "needs the generation state" in str(e)
         assert buf.state == "training"
+        buf.switch_to_generation()
+        try:
+            buf.release_generation_pages()
+            raise AssertionError("release_generation_pages in generation state did not raise")
+        except RuntimeError as e:
+            assert f"rank {rank}" in str(e) and "release_generation_pages() needs the training state" in str(e)
+        assert buf.state == "generation"
+        buf.switch_to_training()
         buf.close()
 
 
@@ -180,12 +211,14 @@ def test_failed_mapping_leaves_training_state(monkeypatch):
             if u == 2:
                 raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
             real_map(self, u)
+            return [] if u == 0 else [1000 * u]  # unit 0 as if kept mapped by an earlier switch
 
         monkeypatch.setattr(GenerationBuffer, "map_unit", failing_map)
-        monkeypatch.setattr(GenerationBuffer, "unmap_unit", lambda self, u: unmapped.append(u))
+        monkeypatch.setattr(GenerationBuffer, "unmap_unit", lambda self, u, offsets=None: unmapped.append((u, offsets)))
         with pytest.raises(RuntimeError, match=r"rank 0: switch_to_generation could not map unit 'layers.1'.*OUT_OF_MEMORY"):
             buf.switch_to_generation()
-        assert buf.state == "training" and unmapped == [0, 1]
+        # Only what this call mapped is unmapped again: never pages kept from an earlier switch.
+        assert buf.state == "training" and unmapped == [(1, [1000])]
         assert torch.equal(buf.gen.data, before)
         monkeypatch.setattr(GenerationBuffer, "map_unit", real_map)
         buf.switch_to_generation()
@@ -214,3 +247,67 @@ def test_switch_batches_cover_every_unit_once():
         for b in batches[1:]:
             assert len(b) == 1 or sum(received[u] for u in b) <= limit, (limit, b)
     assert [len(b) for b in switch_batches(lay, 0)] == [1] * len(lay.units)
+
+
+class _FakeVmm:
+    """VmmRange's bookkeeping alone (offset -> bytes); `map` fails at the offsets in `fail_at`."""
+
+    def __init__(self):
+        self.maps, self.fail_at = {}, set()
+
+    def map(self, off, n):
+        if off in self.fail_at:
+            raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
+        assert off not in self.maps, f"offset {off} mapped twice"
+        self.maps[off] = n
+
+    def unmap(self, off):
+        del self.maps[off]
+
+    def is_mapped(self, off):
+        return off in self.maps
+
+    def unmap_after_current_stream(self, offsets):
+        assert offsets, "an empty release still joins the release thread"
+        for off in offsets:
+            del self.maps[off]
+
+    def wait_released(self):
+        pass
+
+    def mapped_bytes(self):
+        return sum(self.maps.values())
+
+
+def test_map_unit_maps_only_what_is_missing():
+    """Pages kept mapped (switch_to_training(release=False)) are not mapped again; a failed map_unit
+    unmaps only what it mapped itself, never kept pages."""
+    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharded import GenerationBuffer
+
+    layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=4, tp_size=1, element_size=4)
+    gen = GenerationBuffer(layout, 1, torch.float32, torch.device("cpu"), use_vmm=False)
+    gen.vmm = vmm = _FakeVmm()
+    for off, n in layout.shard_in_gen(1):
+        vmm.map(off * 4, n * 4)
+    own = layout.shard_numel * 4
+    others = [off for off, _ in gen._other_shard_bytes(0)]
+    assert len(others) == 3
+    assert gen.map_unit(0) == others
+    assert gen.map_unit(0) == []  # all kept: nothing mapped again
+    vmm.unmap(others[1])
+    vmm.unmap(others[2])
+    vmm.fail_at = {others[2]}
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        gen.map_unit(0)
+    assert [vmm.is_mapped(o) for o in others] == [True, False, False]  # the kept page stays
+    vmm.fail_at = set()
+    assert gen.map_unit(0) == others[1:]
+    gen.unmap_unit(0, others[1:])
+    assert [vmm.is_mapped(o) for o in others] == [True, False, False]
+    for u in range(len(layout.units)):
+        gen.map_unit(u)
+    assert gen.mapped_bytes() == layout.gen_numel * 4
+    gen.release_others_deferred()
+    assert gen.mapped_bytes() == own
+    gen.release_others_deferred()  # nothing to release: the range is not called

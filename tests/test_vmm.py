@@ -85,3 +85,56 @@ def test_tensor_keeps_range_alive():
     t.fill_(5)
     torch.cuda.synchronize()
     assert int(t[123]) == 5
+
+
+def test_map_unit_keeps_mapped_pages(monkeypatch):
+    """The generation buffer of rank 1 of 4 (no process group needed): map_unit backs only the other
+    shards not mapped yet, so pages kept by switch_to_training(release=False) keep their memory and
+    contents; a failed map_unit unmaps only what it mapped itself. (A ShardedBuffer of one process
+    has no other shards, so this is tested on GenerationBuffer.)"""
+    import os
+    import sys
+
+    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharded import GenerationBuffer
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _models import MODELS, model_specs
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=4, tp_size=1, element_size=4,
+                           shard_align_bytes=vmm_range(1).granularity)
+    gen = GenerationBuffer(layout, 1, torch.float32, device, use_vmm=True)
+    own = layout.shard_numel * 4
+    assert gen.mapped_bytes() == own
+    others = gen._other_shard_bytes(0)
+    offsets = [off for off, _ in others]
+    assert len(others) == 3
+    assert gen.map_unit(0) == offsets
+    kept = gen.data[offsets[0] // 4:(offsets[0] + others[0][1]) // 4]
+    kept.fill_(5)
+    assert gen.map_unit(0) == []  # all mapped already: nothing new, the contents stay
+    assert bool((kept == 5).all())
+    gen.vmm.unmap(offsets[1])
+    gen.vmm.unmap(offsets[2])
+    real_map, calls = gen.vmm.map, []
+
+    def failing_map(off, n):
+        calls.append(off)
+        if len(calls) == 2:
+            raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
+        real_map(off, n)
+
+    monkeypatch.setattr(gen.vmm, "map", failing_map)
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        gen.map_unit(0)
+    monkeypatch.undo()
+    assert calls == offsets[1:]
+    assert [gen.vmm.is_mapped(o) for o in offsets] == [True, False, False]  # the kept page stays
+    assert bool((kept == 5).all())
+    assert gen.map_unit(0) == offsets[1:]
+    for u in range(len(layout.units)):
+        gen.map_unit(u)
+    assert gen.mapped_bytes() == layout.gen_numel * 4
+    gen.release_others_deferred()
+    assert gen.mapped_bytes() == own
