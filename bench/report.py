@@ -45,12 +45,12 @@ def load(path: Path) -> list[dict]:
 
 
 def latest(rows: list[dict], bench: str) -> list[dict]:
-    """Rows of `bench` from the latest run that measured each (model, provider); a run of tuning-sweep
+    """Rows of `bench` from the latest run that measured each (model, provider, tg); a run of tuning-sweep
     rows alone (case sweep) does not displace the latest regular run."""
     groups = defaultdict(list)
     for r in rows:
         if r["bench"] == bench:
-            groups[(r["model"], r["provider"])].append(r)
+            groups[(r["model"], r["provider"], r["case"].get("tg", 1))].append(r)
     out = []
     for group in groups.values():
         regular = [r for r in group if not r["case"].get("sweep")] or group
@@ -984,17 +984,18 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
     ours_rows = [r for r in dense if r["provider"] == "hybridengine" and r["model"] == model]
     for ours in sorted(ours_rows, key=lambda r: (_ckpt(r), bool(r["case"].get("fused_training")))):
         setting = "on" if _ckpt(ours) else "off"
-        if "fused_training" in ours["case"]:
-            setting += f" (fused_training {'on' if ours['case']['fused_training'] else 'off'})"
+        fused = f", fused_training {'on' if ours['case'].get('fused_training') else 'off'}"
+        mem = twin(rows, ours, "peak_GiB", source="torch")
         for provider, label in (("fsdp2", "FSDP2"), ("deepspeed_zero3", "DeepSpeed ZeRO-3")):
             p, _ = _train_peer(rows, ours, provider, any_setting=True)
             if p is not None:
-                sides = (f"activation checkpointing {'on' if _ckpt(ours) else 'off'} on both sides, ours {setting}"
-                         if _ckpt(p) == _ckpt(ours) else
-                         f"activation checkpointing: ours {setting}, peer {'on' if _ckpt(p) else 'off'}")
+                sides = (f"activation checkpointing {setting} on both sides{fused}" if _ckpt(p) == _ckpt(ours) else
+                         f"activation checkpointing: ours {setting}{fused}, peer {'on' if _ckpt(p) else 'off'}")
+                p_mem = twin(rows, p, "peak_GiB", source="torch")
                 body.append([f"Train step speed vs {label}, {model}, per GPU {ours['case'].get('batch_per_gpu')} x "
-                             f"{ours['case'].get('seq')} tokens, {sides}",
-                             dur(ours["value"]), dur(p["value"]),
+                             f"{ours['case'].get('seq')} tokens, {sides} (peak GiB, torch)",
+                             f"{dur(ours['value'])} ({sig(mem and mem['value'])} GiB)",
+                             f"{dur(p['value'])} ({sig(p_mem and p_mem['value'])} GiB)",
                              f"{ratio(p['value'], ours['value'])}x", ">= 1.1x" if provider == "fsdp2" else "–",
                              _where(ours, p)])
     if not ours_rows:
