@@ -336,9 +336,10 @@ def _switch_sweep_table(rows: list[dict]) -> str:
     if not sel:
         return ""
     body = [[r["model"], (str(r["case"].get("batch_MiB")) if r["case"].get("batch_MiB") else "one all-gather per unit")
+             + ("*" if r["case"].get("default") else "")
              + (f", pages {r['case']['pages']}" if "pages" in r["case"] else ""), dur_spread(r), r["run_id"]] for r in sorted(sel, key=lambda r: (r["model"], r["case"].get("batch_MiB", 0)))]
     return ("### Switch by NCCL group size (tg = 1)\n\n`switch_batch_bytes`: received bytes gathered per NCCL group "
-            "call (the default is 2048 MiB); \"pages kept mapped\": `switch_to_training(release=False)` kept the generation "
+            "call (default: a quarter of the switch's bytes within 256 MiB-2 GiB, marked *); \"pages kept mapped\": `switch_to_training(release=False)` kept the generation "
             "pages between switches, so no mapping is left in the switch.\n\n"
             + table(["model", "MiB per group call", "train->gen (p20–p80)", "run"], body) + "\n\n")
 

@@ -115,10 +115,8 @@ def switch(ctx: Ctx) -> None:
 
 def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
     """train->gen at other NCCL group sizes (bytes received per group call; 0: one all-gather per unit)."""
-    from hybridengine.sharded import SWITCH_BATCH_BYTES
-
     default = buf.switch_batch_bytes
-    for batch in (0, 256 << 20, 1 << 30, SWITCH_BATCH_BYTES, 8 << 30):
+    for batch in sorted({0, 256 << 20, 1 << 30, 2 << 30, 8 << 30, default}):
         buf.switch_batch_bytes = batch
 
         def trip():
@@ -135,7 +133,8 @@ def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
             buf.wait_released()
         times = ctx.slowest(times)
         ctx.rec.add("switch_batch_sweep", "hybridengine", model, {**case, "direction": "train_to_gen",
-                                                                  "batch_MiB": batch >> 20}, "seconds", times)
+                                                                  "batch_MiB": batch >> 20, "default": batch == default},
+                    "seconds", times)
         ctx.log(f"  switch {model} batch {batch >> 20} MiB: train->gen {quantiles(times)[1] * 1e3:.2f} ms")
     buf.switch_batch_bytes = default
     # Pages kept mapped between rollouts (switch_to_training(release=False)): the switch is the all-gather alone.

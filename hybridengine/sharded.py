@@ -34,9 +34,11 @@ from .layout import ParamSpec, ShardedLayout
 from .ops import prepare_table, segment_copy
 from .vmm import VmmRange
 
-SWITCH_BATCH_BYTES = 2 << 30
-"""Received bytes per NCCL group call of the switch (NCCL all-gather bus bandwidth on the H200 pair:
-230 GB/s at 256 MiB, 258 at 1 GiB, 276 at 4 GiB)."""
+SWITCH_BATCH_BYTES = (256 << 20, 2 << 30)
+"""Bounds of the switch's automatic batch (received bytes per NCCL group call): a quarter of what the
+switch receives, so that three batches map under an all-gather. On 2 x H200 (2026-11-30) 7B took
+29.0 ms at 2 GiB against 30.2-30.9 ms at 0.25-1 GiB, 8 GiB or one all-gather per unit, and 1.5B
+7.3 ms at 256 MiB against 8.3-9.4 ms at 1-8 GiB (one batch after the first: no mapping overlapped)."""
 
 # torch 2.13 renamed the tensor collectives (same signatures); 2.11 only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -179,13 +181,12 @@ class ShardedBuffer:
 
     def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
-                 timeout: datetime.timedelta | None = None, switch_batch_bytes: int = SWITCH_BATCH_BYTES):
+                 timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
         `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
-        (0: one all-gather per unit)."""
-        if switch_batch_bytes < 0:
-            raise ValueError(f"switch_batch_bytes must be >= 0, got {switch_batch_bytes}")
-        self.switch_batch_bytes = switch_batch_bytes
+        (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES)."""
+        if switch_batch_bytes is not None and (not isinstance(switch_batch_bytes, int) or switch_batch_bytes < 0):
+            raise ValueError(f"switch_batch_bytes must be None or an int >= 0, got {switch_batch_bytes!r}")
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
         self.local = not dist.is_initialized()
         if self.local and group is not None:
@@ -217,6 +218,11 @@ class ShardedBuffer:
                  if 1 < tp_size < self.world_size else None)
             if j == self.shard_index:
                 self.tp_group = self.group if tp_size == self.world_size else g
+        if switch_batch_bytes is None:
+            received = sum(u.shard_numel for u in self.layout.units) * (m - 1) * es
+            low, high = SWITCH_BATCH_BYTES
+            switch_batch_bytes = min(high, max(low, received // 4))
+        self.switch_batch_bytes = switch_batch_bytes
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
         self.state = "training"
         self._unpack = [None] * len(self.layout.units)
@@ -282,8 +288,8 @@ class ShardedBuffer:
 
         Units go in batches of about `switch_batch_bytes` received bytes, the smallest unit first: a
         batch's pages are mapped (host, ~1.3 ms/GiB) while the previous batch's all-gathers run, and a
-        batch's all-gathers are one NCCL group call (NCCL's bus bandwidth grows with the transfer: see
-        SWITCH_BATCH_BYTES). Pages kept mapped by `switch_to_training(release=False)` are not mapped
+        batch's all-gathers are one NCCL group call (NCCL's bus bandwidth grows with the transfer;
+        the batch size: SWITCH_BATCH_BYTES). Pages kept mapped by `switch_to_training(release=False)` are not mapped
         again, only gathered into. If a mapping fails, what this call mapped is unmapped again (kept
         pages stay) and the buffer stays in the training state."""
         self._expect("training", "switch_to_generation")

@@ -17,7 +17,7 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
-    # switch_batch_bytes: the default (all but the first unit in one NCCL group call), 0 (one all-gather
+    # switch_batch_bytes: the default (a tiny model: all but the first unit in one NCCL group call), 0 (one all-gather
     # per unit), 4 MiB (small groups).
     for model, dtype, batch in [("odd-hidden", torch.float32, None), ("tied-no-bias", torch.bfloat16, None),
                                 ("odd-hidden", torch.bfloat16, 0), ("tied-no-bias", torch.float32, 4 << 20)]:

@@ -311,3 +311,15 @@ def test_map_unit_maps_only_what_is_missing():
     gen.release_others_deferred()
     assert gen.mapped_bytes() == own
     gen.release_others_deferred()  # nothing to release: the range is not called
+
+
+def test_switch_batch_bytes_argument():
+    from hybridengine.sharded import SWITCH_BATCH_BYTES, ShardedBuffer
+
+    specs = model_specs(**MODELS["odd-hidden"])
+    for bad in (-1, 1.5, "2GiB"):
+        with pytest.raises(ValueError, match="switch_batch_bytes must be None or an int >= 0"):
+            ShardedBuffer(specs, dtype=torch.float32, switch_batch_bytes=bad)
+    # Alone nothing is received: the automatic batch sits at its lower bound.
+    assert ShardedBuffer(specs, dtype=torch.float32).switch_batch_bytes == SWITCH_BATCH_BYTES[0]
+    assert ShardedBuffer(specs, dtype=torch.float32, switch_batch_bytes=0).switch_batch_bytes == 0
