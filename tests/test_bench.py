@@ -248,3 +248,43 @@ def test_profile_train_runs_on_cpu(tmp_path):
     assert saved["settings"].keys() == {"activation_checkpointing_on", "activation_checkpointing_off"}
     for setting in result["settings"].values():
         assert setting["step_s"] > 0 and setting["tokens_per_s"] > 0
+
+
+def test_profile_switch_analyse():
+    """Interval arithmetic of bench.profile_switch (microseconds in, milliseconds out)."""
+    from bench.profile_switch import analyse
+
+    got = analyse((0.0, 100.0), maps=[(0.0, 10.0), (20.0, 30.0)], nccl=[(10.0, 40.0), (50.0, 90.0), (95.0, 120.0)])
+    assert got["wall_ms"] == 0.1 and got["map_ms"] == 0.02 and got["nccl_kernels"] == 3
+    assert abs(got["nccl_busy_ms"] - 0.075) < 1e-12  # the last kernel counts up to the window's end
+    assert abs(got["map_under_nccl_ms"] - 0.01) < 1e-12 and abs(got["gpu_idle_ms"] - 0.025) < 1e-12
+    assert abs(got["first_nccl_after_ms"] - 0.01) < 1e-12
+
+
+def _profile_switch_rank(rank, world, store, out, errors):
+    import traceback
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        from bench.profile_switch import run
+
+        res = run("tiny-qwen2", torch.device("cpu"), Path(out), None)
+        assert [v["variant"] for v in res["variants"]] == ["mapped", "kept"]
+        for v in res["variants"]:
+            assert v["wall_ms"] > 0 and v["maps"] == 4 and v["nccl_kernels"] == 0, v
+        if rank == 0:
+            assert json.loads((Path(out) / "profile_switch.json").read_text())["world_size"] == 2
+    except Exception:  # noqa: BLE001 - reported to the parent with the rank
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_profile_switch_runs_on_cpu(tmp_path):
+    """bench.profile_switch over two gloo processes on a tiny model: both variants, the JSON."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _dist import spawn
+
+    spawn(_profile_switch_rank, 2, str(tmp_path / "out"))
