@@ -7,6 +7,7 @@ is turned into flat token ids, positions, slot mappings and block tables.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,8 @@ class AttentionMetadata:
 class ModelRunner:
     """Runs prefill and decode steps of a CausalLM against a paged KV cache."""
 
-    def __init__(self, model, kv: KVCache, *, max_num_seqs: int, max_model_len: int, use_cuda_graphs: bool):
+    def __init__(self, model, kv: KVCache, *, max_num_seqs: int, max_model_len: int, use_cuda_graphs: bool,
+                 lazy_cuda_graphs: bool = False):
         self.model, self.kv = model, kv
         self.device = kv.data.device
         self.block_size = kv.block_size
@@ -89,8 +91,16 @@ class ModelRunner:
         self._tables = np.full((0, self.max_blocks), -1, dtype=np.int32)
         self._table_lens = np.zeros(0, dtype=np.int64)
         self._table_rows: list[tuple] = []
-        if use_cuda_graphs and self.device.type == "cuda":
-            self._capture(max_num_seqs)
+        # Decode batch size buckets with a CUDA graph: 1, 2, 4, 8, then multiples of 16 up to max_num_seqs.
+        # Captured all at once here (largest first), or each at its first decode step (lazy).
+        self._sizes = (sorted({s for s in [1, 2, 4, 8, *range(16, max_num_seqs + 16, 16)] if s <= max(max_num_seqs, 1)}
+                              | {max_num_seqs}) if use_cuda_graphs and self.device.type == "cuda" else [])
+        self._lazy = lazy_cuda_graphs
+        self._pool = None
+        if self._sizes and not self._lazy:
+            with torch.inference_mode():
+                for size in reversed(self._sizes):  # largest first: the smaller graphs reuse its memory pool
+                    self._capture(size)
 
     def close(self) -> None:
         """Drop the CUDA graphs (and their memory pool) and the KV cache now, not when a garbage
@@ -98,6 +108,7 @@ class ModelRunner:
         for graph, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        self._pool = None
         self._staging.clear()
         self._host_views.clear()
         self.kv = None
@@ -219,38 +230,31 @@ class ModelRunner:
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         B = len(seqs)
-        size = next((s for s in sorted(self.graphs) if s >= B), None)
+        size = next((s for s in self._sizes if s >= B), None)
         if size is None:
             return self._decode_forward(self._decode_inputs(seqs, B)).float()
+        if size not in self.graphs:
+            self._capture(size)  # lazy: this bucket's first decode step
         graph, static = self.graphs[size]
         self._upload(self._stage_decode(seqs, size), dest=static["buffer"])
         graph.replay()
         return static["logits"][:B].float()
 
-    def _capture(self, max_num_seqs: int) -> None:
-        """One CUDA graph per decode batch size bucket (1, 2, 4, 8, then multiples of 16)."""
-        with torch.inference_mode():
-            self._capture_sizes(max_num_seqs)
-
-    def _capture_sizes(self, max_num_seqs: int) -> None:
-        import time
-
-        sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_num_seqs + 16, 16)] if s <= max(max_num_seqs, 1)}
-                       | {max_num_seqs})
+    def _capture(self, size: int) -> None:
+        """Capture the decode step of batch bucket `size` with fake sequences (block 0, slots -1: the
+        capture reads the cache but writes nothing), in the graphs' shared memory pool."""
         t0 = time.perf_counter()
-        pool = None
-        for size in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
-            fake = Sequence(request=-1, token_ids=[0], num_prompt_tokens=1, params=None, block_table=[0])
-            buffer = torch.empty(self._decode_numel(size), dtype=torch.int64, device=self.device)
-            self._upload(self._stage_decode([fake] * size, size), dest=buffer)
-            static = dict(self._decode_views(buffer, size), buffer=buffer)
-            static["slots"].fill_(-1)  # capture writes nothing into the cache
-            self._decode_forward(static)  # warm-up: Triton compilation and autotuning outside the graph
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                static["logits"] = self._decode_forward(static)
-            pool = graph.pool()
-            self.graphs[size] = (graph, static)
+        fake = Sequence(request=-1, token_ids=[0], num_prompt_tokens=1, params=None, block_table=[0])
+        buffer = torch.empty(self._decode_numel(size), dtype=torch.int64, device=self.device)
+        self._upload(self._stage_decode([fake] * size, size), dest=buffer)
+        static = dict(self._decode_views(buffer, size), buffer=buffer)
+        static["slots"].fill_(-1)
+        self._decode_forward(static)  # warm-up: Triton compilation and autotuning outside the graph
         torch.cuda.synchronize(self.device)
-        self.graph_capture_s = time.perf_counter() - t0
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static["logits"] = self._decode_forward(static)
+        self._pool = graph.pool()
+        self.graphs[size] = (graph, static)
+        torch.cuda.synchronize(self.device)
+        self.graph_capture_s += time.perf_counter() - t0

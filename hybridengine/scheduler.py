@@ -158,7 +158,8 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         prefill, tokens = [], 0
-        while self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
+        seqs = len(self.running)  # a prompt awaiting its fork counts as its `fork` samples
+        while self.waiting and seqs + self.waiting[0].fork <= self.max_num_seqs:
             seq = self.waiting[0]
             if prefill and tokens + seq.num_tokens > self.max_num_batched_tokens:
                 break
@@ -167,6 +168,7 @@ class Scheduler:
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
             tokens += seq.num_tokens
+            seqs += seq.fork
             prefill.append(self.waiting.popleft())
         if prefill:
             self.running.extend(prefill)

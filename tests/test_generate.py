@@ -127,6 +127,26 @@ def test_generate_outside_rollout_and_bad_params():
         he.EngineConfig(tp_generation=0)
 
 
+def test_admission_counts_a_prompts_samples():
+    """A prompt awaiting its fork into n samples takes n of max_num_seqs: a decode batch never exceeds it
+    (9 sequences once ran in a batch of max_num_seqs=8, past the largest CUDA graph bucket)."""
+    from hybridengine.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=1024)
+    for i, fork in enumerate([1, 3, 1, 3, 1]):
+        sched.add(Sequence(request=i, token_ids=[1, 2, 3], num_prompt_tokens=3, params=SamplingParams(n=fork),
+                           fork=fork))
+    batch = sched.schedule()
+    assert batch.is_prefill and [s.fork for s in batch.seqs] == [1, 3, 1, 3]  # 8 samples; the 5th waits
+    for seq in list(batch.seqs):
+        sched.fork(seq)
+    assert len(sched.running) == 8 and len(sched.schedule().seqs) == 8
+    engine, _ = make_engine("tiny-qwen2")
+    with engine.rollout():
+        with pytest.raises(ValueError, match=r"n=9 samples exceed EngineConfig.max_num_seqs=8"):
+            engine.generate([[1, 2]], SamplingParams(n=9))
+
+
 def test_block_manager_refcounts_and_copy_on_write():
     bm = BlockManager(6, 4)
     seq = Sequence(request=0, token_ids=list(range(6)), num_prompt_tokens=6, params=SamplingParams())
@@ -314,23 +334,33 @@ def test_sample_returns_exactly_what_the_reference_returns_on_cuda(case):
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager_decode():
-    """Inputs staged through the graphs' static buffers (pinned, double-buffered) = the eager path."""
-    outs = []
-    for graphs in (True, False):
+    """Inputs staged through the graphs' static buffers (pinned, double-buffered) = the eager path;
+    graphs captured lazily (each bucket at its first decode step, mid-generation) = captured up front."""
+    outs, captured = [], {}
+    for graphs, lazy in ((True, False), (False, False), (True, True)):
         torch.manual_seed(0)
         engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
             dtype=torch.float32, device="cuda", block_size=4, max_model_len=64, num_kv_blocks=40, max_num_seqs=8,
-            cuda_graphs=graphs))
+            cuda_graphs=graphs, lazy_cuda_graphs=lazy))
         prompts = prompts_for(engine.vocab_size, [3, 9, 17, 6, 5])
         with engine.rollout():
             res = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=20),
                                             SamplingParams(n=3, temperature=0.9, top_k=30, max_tokens=14, seed=3)] * 2
                                   + [SamplingParams(temperature=0.0, max_tokens=7)])
+            captured[(graphs, lazy)] = sorted(engine._runner.graphs)
         outs.append(res)
-    for graphed, eager in zip(*outs):  # the graphs run padded batches: other GEMM shapes, other rounding
-        for a, b in zip(graphed.outputs, eager.outputs):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    assert captured[(True, False)] == [1, 2, 4, 8] and captured[(False, False)] == []
+    # 11 sequences over 8 rows, finishing at 7, 14 and 20 tokens: only the buckets the batch went through
+    assert 0 < len(captured[(True, True)]) < 4 and 8 in captured[(True, True)], captured
+    graphed, eager, lazy = outs
+    for run in (graphed, lazy):  # the graphs run padded batches: other GEMM shapes, other rounding
+        for g, e in zip(run, eager):
+            for a, b in zip(g.outputs, e.outputs):
+                assert a.token_ids == b.token_ids
+                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    for g, e in zip(lazy, graphed):  # the same graphs, captured at another time: bitwise
+        for a, b in zip(g.outputs, e.outputs):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 @pytest.mark.gpu
