@@ -615,13 +615,14 @@ class Trainer:
         # Data parallel: the global loss is the mean of the ranks' losses.
         (loss * (weight / self.sharded.world_size)).backward()
         grad_x = x.grad
+        # The head's gradients are reduced after the layers' backward, not now: now every layer's
+        # activations are alive, and the reduce's fp32 unit buffers (2 x V x H x 4 bytes with the
+        # shard: 3.3 GB for 7B) would stack on them; held, the bf16 gradient costs V x H x 2.
         head_grads = {"model.norm.weight": norm_w.grad}
-        if self.tied:  # the LM head's share of the embedding gradient goes out now, not held through backward
-            self._reduce(embed_u, {"model.embed_tokens.weight": head_w.grad})
-        else:
+        tied_head_grad = head_w.grad if self.tied else None  # goes out with the embedding's rows
+        if not self.tied:
             head_grads[self.head_name] = head_w.grad
         del head_w
-        self._reduce(head_u, head_grads)
         # Layers in reverse: gather again, recompute with autograd, backpropagate, reduce-scatter.
         for i in reversed(range(self.config.num_hidden_layers)):
             u = self.units[f"layers.{i}"]
@@ -642,9 +643,16 @@ class Trainer:
             grad_x = xi.grad
             prefix = f"model.layers.{i}."
             self._reduce(u, {prefix + k: p.grad for k, p in params.items()})
-        # Embedding: scatter-add of the input gradient rows, straight into the unit's natural fp32 gradient.
+        self._reduce(head_u, head_grads)
+        del head_grads
+        # Embedding: scatter-add of the input gradient rows, straight into the unit's natural fp32 gradient
+        # (tied: on top of the LM head's share, one reduce-scatter for both).
         natural = self._natural_grad(embed_u)
-        self.layout.natural_view(natural, "model.embed_tokens.weight").index_add_(0, ids, grad_x.float())
+        embed_grad = self.layout.natural_view(natural, "model.embed_tokens.weight")
+        if tied_head_grad is not None:
+            embed_grad.copy_(tied_head_grad)
+            del tied_head_grad
+        embed_grad.index_add_(0, ids, grad_x.float())
         self._reduce(embed_u, natural=natural)
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
