@@ -547,7 +547,8 @@ def train_section(rows: list[dict]) -> str:
         tok = twin(rows, r, "tokens_per_s")
         p, _ = _train_peer(rows, r, PEER["train_step"])
         torch_peak, nvml_peak = _peaks(sel, r)
-        label = r["provider"] + (f" ({r['case']['layout']}{', fused_training' if r['case'].get('fused_training') else ''})"
+        label = r["provider"] + (f" ({r['case']['layout']}{', fused_training' if r['case'].get('fused_training') else ''}"
+                                 f"{', split_master' if r['case'].get('split_master') else ''})"
                                  if "layout" in r["case"] else "")
         body.append([r["model"], label, "on" if _ckpt(r) else "off", spread(r, 1, 3), fmt(tok and tok["value"]),
                      fmt(floor, 3), ratio(floor, r["value"]),
@@ -983,9 +984,11 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
     model = _headline_model([r for r in tr if r["provider"] == "hybridengine"]) or _headline_model(tr)
     dense = [r for r in tr if r["case"].get("layout", "dense") == "dense"]
     ours_rows = [r for r in dense if r["provider"] == "hybridengine" and r["model"] == model]
-    for ours in sorted(ours_rows, key=lambda r: (_ckpt(r), bool(r["case"].get("fused_training")))):
+    for ours in sorted(ours_rows, key=lambda r: (_ckpt(r), bool(r["case"].get("fused_training")),
+                                                 bool(r["case"].get("split_master")))):
         setting = "on" if _ckpt(ours) else "off"
-        fused = f", fused_training {'on' if ours['case'].get('fused_training') else 'off'}"
+        fused = f", fused_training {'on' if ours['case'].get('fused_training') else 'off'}" \
+            + (", split_master" if ours["case"].get("split_master") else "")
         mem = twin(rows, ours, "peak_GiB", source="torch")
         for provider, label in (("fsdp2", "FSDP2"), ("deepspeed_zero3", "DeepSpeed ZeRO-3")):
             p, _ = _train_peer(rows, ours, provider, any_setting=True)

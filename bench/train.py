@@ -7,6 +7,8 @@ case activation_checkpointing says which, as in the FSDP2 and DeepSpeed rows.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .common import Ctx, record_train
@@ -22,7 +24,9 @@ def train_step(ctx: Ctx) -> None:
     tokens = w.train_batch * w.train_seq
     for model in ctx.models:
         cfg = he.model_config(model)
-        engine = he.HybridEngine(cfg, he.EngineConfig(dtype=torch.bfloat16, device=str(ctx.device)))
+        # HE_BENCH_SPLIT_MASTER=1: the engine keeps split masters (EngineConfig.split_master), rows say so
+        split = os.environ.get("HE_BENCH_SPLIT_MASTER") == "1"
+        engine = he.HybridEngine(cfg, he.EngineConfig(dtype=torch.bfloat16, device=str(ctx.device), split_master=split))
         g = torch.Generator().manual_seed(100 + ctx.rank)
         layouts = {"dense": [w.train_seq] * w.train_batch,
                    "packed": [tokens // 8, tokens * 3 // 8, tokens // 4, tokens // 4]}
@@ -38,7 +42,8 @@ def train_step(ctx: Ctx) -> None:
                     times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5,
                                         desc=f"train_step {name}")
                 record_train(ctx, "hybridengine", model, times, pm, layout=name,
-                             activation_checkpointing=checkpointing, fused_training=engine.config.fused_training)
+                             activation_checkpointing=checkpointing, fused_training=engine.config.fused_training,
+                             **({"split_master": True} if split else {}))
             if name == "dense":  # the other EngineConfig.fused_training setting (Triton norms, RoPE, SiLU * up)
                 engine._trainer().fused = not engine.config.fused_training
                 for checkpointing in (False, True):
@@ -48,6 +53,7 @@ def train_step(ctx: Ctx) -> None:
                         times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5,
                                             desc="train_step fused")
                     record_train(ctx, "hybridengine", model, times, pm, layout=name,
-                                 activation_checkpointing=checkpointing, fused_training=not engine.config.fused_training)
+                                 activation_checkpointing=checkpointing, fused_training=not engine.config.fused_training,
+                                 **({"split_master": True} if split else {}))
                 engine._trainer().fused = engine.config.fused_training
         del engine

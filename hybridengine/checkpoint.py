@@ -185,7 +185,7 @@ def load(path: str | os.PathLike, *, config=None):
                 continue
             naturals = _to_layout(saved, _natural_units(saved, [s["optimizer"][key] for s in states]), layout)
             opt_state[key] = [t.float() for t in _own_shards(engine, naturals)]
-        if trainer.optimizer.master is None:
+        if trainer.optimizer.master_weights is False:
             opt_state["master"] = None
         elif opt_state["master"] is None:  # saved without masters (fp32 params): the weights are the masters
             opt_state["master"] = [w.float() for w in weights]

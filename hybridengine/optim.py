@@ -60,13 +60,37 @@ def adamw_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_d
     }
 
 
+def split_master(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 -> (hi bf16, lo int16) with bits(x) = (bits(hi) << 16) + lo exactly: hi rounds half away
+    from zero (round to nearest; only an exact tie differs from `.to(torch.bfloat16)`), lo in
+    [-2^15, 2^15). The "split" master: the bf16 weights plus 2 bytes hold the fp32 master exactly."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    hi = (bits + 0x8000) >> 16
+    lo = bits - (hi << 16)
+    hi = hi & 0xFFFF
+    return (torch.where(hi >= 0x8000, hi - 0x10000, hi).to(torch.int16).view(torch.bfloat16).view(x.shape),
+            lo.to(torch.int16).view(x.shape))
+
+
+def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 master held by bf16 `hi` and int16 `lo` (`split_master`'s inverse)."""
+    bits = ((hi.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + lo.to(torch.int64)
+    bits = bits & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32).view(hi.shape)
+
+
 def check_unit(op: str, master, exp_avg, exp_avg_sq, grad, decay_mask, param) -> None:
     """One unit's tensors: 1-D, contiguous, same numel and device; moments and grad fp32; master
-    and param bf16/fp16/fp32; mask uint8/bool. Shared by the reference and the launcher."""
+    and param bf16/fp16/fp32, or master int16 (the low half of a split master) with param bf16;
+    mask uint8/bool. Shared by the reference and the launcher."""
     if not isinstance(master, torch.Tensor) or master.dim() != 1 or master.stride(0) != 1:
         raise ValueError(f"{op}: master must be a contiguous 1-D tensor, got {_describe(master)}")
-    if master.dtype not in PARAM_DTYPES:
-        raise ValueError(f"{op}: master must be bf16, fp16 or fp32, got {master.dtype}")
+    if master.dtype == torch.int16:
+        if not isinstance(param, torch.Tensor) or param.dtype != torch.bfloat16:
+            raise ValueError(f"{op}: an int16 master (split) needs the bf16 param it completes, got "
+                             f"{_describe(param)}")
+    elif master.dtype not in PARAM_DTYPES:
+        raise ValueError(f"{op}: master must be bf16, fp16, fp32 or int16 (split), got {master.dtype}")
     n, device = master.numel(), master.device
     named = [("exp_avg", exp_avg, (torch.float32,)), ("exp_avg_sq", exp_avg_sq, (torch.float32,)),
              ("grad", grad, (torch.float32,)), ("decay_mask", decay_mask, MASK_DTYPES)]
@@ -88,14 +112,17 @@ def adamw_step_ref(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
     """One AdamW step of one unit, in place, in plain torch (the spec of the fused kernel).
 
     master [n] (fp32; or the bf16/fp16 params themselves when there is no master copy, then the
-    update runs in fp32 and is rounded back), exp_avg / exp_avg_sq / grad [n] fp32, decay_mask [n]
-    (nonzero: decay), param [n] or None: receives `master` rounded to its dtype (round to nearest
-    even, as `Tensor.to`). `grad` is read as `grad * grad_scale`; `step` counts from 1."""
+    update runs in fp32 and is rounded back; or int16, the low half of a split master whose high
+    half is the bf16 `param`: `join_master` / `split_master`), exp_avg / exp_avg_sq / grad [n] fp32,
+    decay_mask [n] (nonzero: decay), param [n] or None: receives `master` rounded to its dtype (round
+    to nearest even, as `Tensor.to`; split: `split_master`'s high half). `grad` is read as
+    `grad * grad_scale`; `step` counts from 1."""
     check_unit("adamw_step_ref", master, exp_avg, exp_avg_sq, grad, decay_mask, param)
     s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    split = master.dtype == torch.int16
     with torch.no_grad():
         g = grad * _f32(grad_scale)
-        p = master.float()
+        p = join_master(param, master) if split else master.float()
         p = torch.where(decay_mask.bool(), p * s["decay_factor"], p)
         m, v, w = exp_avg, exp_avg_sq, s["lerp_weight"]
         if w < 0.5:
@@ -112,6 +139,11 @@ def adamw_step_ref(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
         p = p + (s["neg_step_size"] * m_new) / denom
         exp_avg.copy_(m_new)
         exp_avg_sq.copy_(v_new)
+        if split:
+            hi, lo = split_master(p)
+            param.copy_(hi)
+            master.copy_(lo)
+            return
         master.copy_(p)
         if param is not None:
             param.copy_(p)
@@ -167,8 +199,11 @@ class FlatAdamW:
     and biases). `lr` is a float or a schedule `step -> lr` (step counts from 1). With
     `master_weights` (default: when params are not fp32) the optimizer keeps fp32 copies, updates
     them and writes their round-to-nearest-even into the params; without, an fp32 param is its own
-    master and a bf16/fp16 one is updated in fp32 and rounded back each step. State per unit:
-    `exp_avg`, `exp_avg_sq` (fp32), `master` (fp32 or None); `num_steps` counts the steps taken.
+    master and a bf16/fp16 one is updated in fp32 and rounded back each step. `master_weights="split"`
+    (bf16 params) keeps the same fp32 master in 2 bytes, not 4: the param is its high half (rounded
+    half away from zero instead of to even: only exact ties differ) and `master_lo` (int16) the low
+    half. State per unit: `exp_avg`, `exp_avg_sq` (fp32), `master` (fp32 or None), `master_lo`
+    (int16 or None); `num_steps` counts the steps taken.
     Elements whose grad, moments and weight are zero (padding) stay exactly zero.
     """
 
@@ -196,10 +231,13 @@ class FlatAdamW:
             if mask.device != device:
                 raise ValueError(f"decay_masks[{i}] is on {mask.device}, params on {device}")
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        if master_weights not in (None, True, False):
-            raise ValueError(f"master_weights must be None, True or False, got {master_weights!r}")
+        if master_weights not in (None, True, False, "split"):
+            raise ValueError(f"master_weights must be None, True, False or 'split', got {master_weights!r}")
         if master_weights is None:
             master_weights = any(p.dtype != torch.float32 for p in params)
+        if master_weights == "split" and any(p.dtype != torch.bfloat16 for p in params):
+            raise ValueError("master_weights='split' needs bf16 params (the master's high half), got "
+                             f"{sorted({str(p.dtype) for p in params})}")
 
         self.params = list(params)
         self.decay_masks = [m.view(torch.uint8) if m.dtype == torch.bool else m for m in decay_masks]
@@ -212,7 +250,11 @@ class FlatAdamW:
         self.num_steps = 0
         self.exp_avg = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in params]
         self.exp_avg_sq = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in params]
-        self.master = [p.detach().float().clone() for p in params] if master_weights else None
+        self.master = [p.detach().float().clone() for p in params] if master_weights is True else None
+        # split: the fp32 master is the bf16 param (high half) + these int16 low halves; a bf16 param is
+        # exactly its own fp32 value, so the low halves start at zero.
+        self.master_lo = ([torch.zeros(p.numel(), dtype=torch.int16, device=device) for p in params]
+                          if master_weights == "split" else None)
         self.device = device
 
     def lr_at(self, step: int) -> float:
@@ -244,18 +286,28 @@ class FlatAdamW:
         for i, p in enumerate(self.params):
             if p.numel() == 0:
                 continue
-            master, param = (self.master[i], p) if self.master is not None else (p, None)
+            if self.master_lo is not None:
+                master, param = self.master_lo[i], p
+            else:
+                master, param = (self.master[i], p) if self.master is not None else (p, None)
             update(master, self.exp_avg[i], self.exp_avg_sq[i], grads[i], self.decay_masks[i], param, lr=lr,
                    beta1=beta1, beta2=beta2, eps=float(self.eps), weight_decay=float(self.weight_decay), step=step,
                    grad_scale=grad_scale)
         self.num_steps = step
 
+    def masters(self) -> list[torch.Tensor] | None:
+        """The fp32 masters (split: joined, new tensors), or None without master weights."""
+        if self.master_lo is not None:
+            return [join_master(p, lo) for p, lo in zip(self.params, self.master_lo)]
+        return None if self.master is None else list(self.master)
+
     def state_dict(self) -> dict:
         """{"step": int, "exp_avg": [fp32], "exp_avg_sq": [fp32], "master": [fp32] or None}: the live
-        tensors, not copies (like torch optimizers; `torch.save` copies). Hyperparameters and the
-        params themselves are not included: the weights are checkpointed with the model."""
+        tensors, not copies (like torch optimizers; `torch.save` copies), except split masters, which
+        are joined into fp32 (the same state as master_weights=True). Hyperparameters and the params
+        themselves are not included: the weights are checkpointed with the model."""
         return {"step": self.num_steps, "exp_avg": list(self.exp_avg), "exp_avg_sq": list(self.exp_avg_sq),
-                "master": None if self.master is None else list(self.master)}
+                "master": self.masters()}
 
     def load_state_dict(self, state: dict) -> None:
         """Copy a `state_dict()` into this optimizer's buffers (in place); with master weights the
@@ -266,10 +318,11 @@ class FlatAdamW:
         step = state["step"]
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
-        if (state["master"] is None) != (self.master is None):
-            raise ValueError(f"state['master'] must be {'None' if self.master is None else 'a list of tensors'} "
-                             f"(this optimizer has master_weights={self.master_weights})")
-        keys = ["exp_avg", "exp_avg_sq"] + (["master"] if self.master is not None else [])
+        has_master = self.master_weights is not False
+        if (state["master"] is None) == has_master:
+            raise ValueError(f"state['master'] must be {'a list of tensors' if has_master else 'None'} "
+                             f"(this optimizer has master_weights={self.master_weights!r})")
+        keys = ["exp_avg", "exp_avg_sq"] + (["master"] if has_master else [])
         for key in keys:
             tensors = state[key]
             if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.params):
@@ -279,10 +332,16 @@ class FlatAdamW:
                     raise ValueError(f"state['{key}'][{i}] must be an fp32 tensor of shape {tuple(p.shape)}, "
                                      f"got {_describe(t)}")
         with torch.no_grad():
-            for key in keys:
+            for key in ("exp_avg", "exp_avg_sq"):
                 for dst, src in zip(getattr(self, key), state[key]):
                     dst.copy_(src)
             if self.master is not None:
-                for p, master in zip(self.params, self.master):
-                    p.copy_(master)
+                for p, dst, src in zip(self.params, self.master, state["master"]):
+                    dst.copy_(src)
+                    p.copy_(dst)
+            elif self.master_lo is not None:
+                for p, lo, src in zip(self.params, self.master_lo, state["master"]):
+                    hi, low = split_master(src.to(p.device))
+                    p.copy_(hi)
+                    lo.copy_(low)
         self.num_steps = step

@@ -327,8 +327,9 @@ class Trainer:
     """Forward/backward and the optimizer of one rank, over a ShardedBuffer."""
 
     def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None,
-                 fused: bool = False):
+                 fused: bool = False, split_master: bool = False):
         self.fused = fused  # EngineConfig.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels
+        self.split_master = split_master  # EngineConfig.split_master: bf16 weights + int16 low halves
         self.sharded, self.config = sharded, config
         self.layout = sharded.layout
         self.device = sharded.device
@@ -364,8 +365,9 @@ class Trainer:
 
         if self._optimizer is None:
             c = self._opt_config
+            master = "split" if self.split_master and self.dtype == torch.bfloat16 else None
             self._optimizer = FlatAdamW(self.sharded.shard_views(), self._decay, lr=c.lr, betas=c.betas, eps=c.eps,
-                                        weight_decay=c.weight_decay)
+                                        weight_decay=c.weight_decay, master_weights=master)
         return self._optimizer
 
     # -- masks over the flat shards ------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Fused AdamW step of one flat unit (`hybridengine.optim.FlatAdamW`): one pass reads grad,
-moments, master weights and the decay mask, and writes moments, master and the rounded weights.
+moments, master weights and the decay mask, and writes moments, master and the rounded weights
+(a split master: the bf16 weights are its high half, an int16 tensor its low half).
 
 The math and its operation order are `hybridengine.optim.adamw_step_ref`'s, with the same fp32
 host scalars (`adamw_scalars`), IEEE division and square root (`div_rn`, `sqrt_rn`) and no fp
@@ -43,13 +44,18 @@ def _store_rounded(ptr, offs, x, valid):
 def _adamw_kernel(grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, master_ptr, mask_ptr, param_ptr, num_elements,
                   grad_scale, decay_factor, lerp_weight, beta2, one_minus_beta2, neg_step_size,
                   bias_correction2_sqrt, eps, LERP_FROM_START: tl.constexpr, HAS_PARAM: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < num_elements
     g = tl.load(grad_ptr + offs, mask=valid, other=0.0) * grad_scale
     m = tl.load(exp_avg_ptr + offs, mask=valid, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=valid, other=0.0)
-    p = tl.load(master_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    if SPLIT:  # fp32 master bits = (bf16 param bits << 16) + int16 low half (optim.join_master)
+        hi = tl.load(param_ptr + offs, mask=valid, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo = tl.load(master_ptr + offs, mask=valid, other=0).to(tl.int32)
+        p = ((hi << 16).to(tl.int32, bitcast=True) + lo).to(tl.float32, bitcast=True)
+    else:
+        p = tl.load(master_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     decay = tl.load(mask_ptr + offs, mask=valid, other=0) != 0
 
     p = tl.where(decay, p * decay_factor, p)
@@ -63,9 +69,16 @@ def _adamw_kernel(grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, master_ptr, mask_ptr, p
 
     tl.store(exp_avg_ptr + offs, m, mask=valid)
     tl.store(exp_avg_sq_ptr + offs, v, mask=valid)
-    _store_rounded(master_ptr, offs, p, valid)
-    if HAS_PARAM:
-        _store_rounded(param_ptr, offs, p, valid)
+    if SPLIT:  # optim.split_master: high half rounded half away from zero, low half the exact rest
+        bits = p.to(tl.uint32, bitcast=True)
+        hi = (bits + 0x8000) >> 16
+        lo = (bits - (hi << 16)).to(tl.int32, bitcast=True)
+        tl.store(param_ptr + offs, hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=valid)
+        tl.store(master_ptr + offs, lo.to(tl.int16), mask=valid)
+    else:
+        _store_rounded(master_ptr, offs, p, valid)
+        if HAS_PARAM:
+            _store_rounded(param_ptr, offs, p, valid)
 
 
 def adamw_step_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
@@ -88,5 +101,6 @@ def adamw_step_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         grad, exp_avg, exp_avg_sq, master, decay_mask, master if param is None else param, n,
         float(grad_scale), s["decay_factor"], s["lerp_weight"], s["beta2"], s["one_minus_beta2"],
         s["neg_step_size"], s["bias_correction2_sqrt"], s["eps"],
-        LERP_FROM_START=s["lerp_weight"] < 0.5, HAS_PARAM=param is not None, BLOCK=block_size,
+        LERP_FROM_START=s["lerp_weight"] < 0.5, HAS_PARAM=param is not None, SPLIT=master.dtype == torch.int16,
+        BLOCK=block_size,
         num_warps=NUM_WARPS, enable_fp_fusion=False)

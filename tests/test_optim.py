@@ -319,7 +319,7 @@ def _units():
     (dict(eps=-1e-8), "eps must be a finite number >= 0"),
     (dict(eps=float("inf")), "eps must be a finite number"),
     (dict(weight_decay=-0.1), "weight_decay must be a finite number >= 0"),
-    (dict(master_weights="yes"), "master_weights must be None, True or False"),
+    (dict(master_weights="yes"), "master_weights must be None, True, False or .split."),
 ])
 def test_constructor_errors(kwargs, match):
     params, masks = _units()
@@ -381,7 +381,7 @@ def test_unit_errors(launcher):
         step(master, m, v, torch.zeros(9), mask, **kw)
     with pytest.raises(ValueError, match=f"{name}: decay_mask must be torch.uint8 or torch.bool"):
         step(master, m, v, g, mask.float(), **kw)
-    with pytest.raises(ValueError, match=f"{name}: master must be bf16, fp16 or fp32"):
+    with pytest.raises(ValueError, match=f"{name}: master must be bf16, fp16, fp32 or int16"):
         step(master.double(), m, v, g, mask, **kw)
     with pytest.raises(ValueError, match=f"{name}: param must be"):
         step(master, m, v, g, mask, torch.zeros(n, dtype=torch.int32), **kw)
@@ -418,3 +418,92 @@ def test_cuda_kernel_matches_reference(dtype):
             for p, master, q in zip(gpu.params, gpu.master, cpu.params):
                 assert_bitwise(p, master.to(dtype), "params vs master.to(dtype)")
                 q.copy_(p.cpu())
+
+
+def test_split_master_is_exact():
+    """split_master / join_master: every fp32 bit pattern back exactly (signs, zeros, subnormals, inf);
+    the high half is round-to-nearest (ties away from zero: only exact ties differ from `.to`)."""
+    from hybridengine.optim import join_master, split_master
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(50_000, generator=g) * torch.logspace(-44, 37, 50_000),
+                   torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.17e-38, float("inf"), float("-inf"), 65504.0])])
+    ties = torch.tensor([1 + 2**-8, -(1 + 2**-8), 3 * 2**-9 + 2**-16])  # low halves exactly 0x8000
+    x = torch.cat([x, ties])
+    hi, lo = split_master(x)
+    assert hi.dtype == torch.bfloat16 and lo.dtype == torch.int16
+    assert_bitwise(join_master(hi, lo), x, "join(split(x))")
+    exact = (x.view(torch.int32) & 0xFFFF) != 0x8000
+    assert_bitwise(hi[exact], x[exact].to(torch.bfloat16), "high half vs .to(bf16) off ties")
+    assert torch.equal(hi[-3:].float().abs(), x[-3:].to(torch.bfloat16).float().abs() + torch.tensor(
+        [2**-7, 2**-7, 2**-15]))  # ties: away from zero, one bf16 ulp above the even choice
+
+
+def test_split_master_follows_the_fp32_master():
+    """master_weights='split' keeps the fp32 master exactly: after steps it equals master_weights=True's
+    masters bit for bit, the moments too, and the bf16 weights are its high half."""
+    from hybridengine.optim import split_master
+
+    params, masks = make_units(dtype=torch.bfloat16)
+    full = FlatAdamW([p.clone() for p in params], masks, lr=3e-3, weight_decay=0.1, master_weights=True)
+    split = FlatAdamW([p.clone() for p in params], masks, lr=3e-3, weight_decay=0.1, master_weights="split")
+    assert split.master is None and [t.dtype for t in split.master_lo] == [torch.int16] * len(SIZES)
+    for step in range(1, 6):
+        grads = make_grads(seed=step)
+        full.step(grads, grad_scale=0.7)
+        split.step(grads, grad_scale=0.7)
+        for i, master in enumerate(split.masters()):
+            assert_bitwise(master, full.master[i], f"step {step} master[{i}]")
+            assert_bitwise(split.exp_avg[i], full.exp_avg[i], f"step {step} exp_avg[{i}]")
+            assert_bitwise(split.params[i], split_master(full.master[i])[0], f"step {step} params[{i}]")
+    # The state dict holds fp32 masters (the same as master_weights=True) and loads back exactly.
+    state = copy.deepcopy(split.state_dict())
+    again = FlatAdamW([torch.zeros_like(p) for p in params], masks, lr=3e-3, master_weights="split")
+    again.load_state_dict(state)
+    for a, b, pa, pb in zip(again.masters(), split.masters(), again.params, split.params):
+        assert_bitwise(a, b, "loaded master")
+        assert_bitwise(pa, pb, "loaded params")
+    with pytest.raises(ValueError, match="master_weights='split' needs bf16 params"):
+        FlatAdamW(make_units(dtype=torch.float32)[0], masks, lr=1e-3, master_weights="split")
+
+
+def test_kernel_split_master_matches_reference_bitwise():
+    params, masks = make_units(dtype=torch.bfloat16)
+    by_ref = FlatAdamW([p.clone() for p in params], masks, lr=3e-3, weight_decay=0.1, master_weights="split")
+    by_kernel = copy.deepcopy(by_ref)
+    launch = kernel()
+    for step in range(1, 4):
+        grads = make_grads(seed=step)
+        by_ref.step(grads, grad_scale=0.5)
+        for i, p in enumerate(by_kernel.params):
+            launch(by_kernel.master_lo[i], by_kernel.exp_avg[i], by_kernel.exp_avg_sq[i], grads[i],
+                   by_kernel.decay_masks[i], p, lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                   step=step, grad_scale=0.5, block_size=BLOCK)
+        for i in range(len(SIZES)):
+            for name in ("params", "master_lo", "exp_avg", "exp_avg_sq"):
+                assert_bitwise(getattr(by_kernel, name)[i], getattr(by_ref, name)[i], f"step {step} {name}[{i}]")
+    with pytest.raises(ValueError, match="an int16 master \\(split\\) needs the bf16 param"):
+        launch(by_kernel.master_lo[0], by_kernel.exp_avg[0], by_kernel.exp_avg_sq[0], make_grads()[0],
+               by_kernel.decay_masks[0], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_split_master_matches_reference():
+    sizes = (1, 4099, 70000)
+    params, masks = make_units(sizes, dtype=torch.bfloat16, device="cuda")
+    gpu = FlatAdamW(params, masks, lr=1e-3, weight_decay=0.1, master_weights="split")
+    cpu = FlatAdamW([p.cpu() for p in params], [m.cpu() for m in masks], lr=1e-3, weight_decay=0.1,
+                    master_weights="split")
+    for step in range(1, 4):
+        grads = make_grads(sizes, seed=step)
+        gpu.step([g.cuda() for g in grads], grad_scale=0.8)
+        cpu.step(grads, grad_scale=0.8)
+        for name in ("exp_avg", "exp_avg_sq"):
+            for i, (x, y) in enumerate(zip(getattr(gpu, name), getattr(cpu, name))):
+                assert max_ulps(x.cpu(), y) <= 1, f"step {step} {name}[{i}]: {max_ulps(x.cpu(), y)} ulps"
+                y.copy_(x.cpu())
+        for i, (x, y) in enumerate(zip(gpu.masters(), cpu.masters())):
+            assert max_ulps(x.cpu(), y) <= 1, f"step {step} master[{i}]"
+        for pg, lg, pc, lc in zip(gpu.params, gpu.master_lo, cpu.params, cpu.master_lo):
+            pc.copy_(pg.cpu())
+            lc.copy_(lg.cpu())
