@@ -111,20 +111,18 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_
             tol = 1e-12 if gdtype == torch.float64 else 1e-5
             assert torch.allclose(out, packed[start:end], rtol=0, atol=tol), (tp, unit.name)
 
-        # Wrong-state calls raise and leave the state alone.
-        try:
-            buf.switch_to_training()
-            raise AssertionError("switch_to_training in training state did not raise")
-        except RuntimeError as e:
-            assert f"rank {rank}" in str(e) and "needs the generation state" in str(e)
-        assert buf.state == "training"
-        buf.switch_to_generation()
-        try:
-            buf.release_generation_pages()
-            raise AssertionError("release_generation_pages in generation state did not raise")
-        except RuntimeError as e:
-            assert f"rank {rank}" in str(e) and "release_generation_pages() needs the training state" in str(e)
-        assert buf.state == "generation"
+        # Wrong-state calls raise, naming the rank, and leave the state alone.
+        for call, message, state in ((buf.switch_to_training, "needs the generation state", "training"),
+                                     (buf.release_generation_pages,
+                                      "release_generation_pages() needs the training state", "generation")):
+            if state == "generation":
+                buf.switch_to_generation()
+            try:
+                call()
+                raise AssertionError(f"{call.__name__} in the {state} state did not raise")
+            except RuntimeError as e:
+                assert f"rank {rank}" in str(e) and message in str(e), str(e)
+            assert buf.state == state
         buf.switch_to_training()
         buf.close()
 
