@@ -71,8 +71,9 @@ def hf_generate(ctx: Ctx) -> None:
         release_memory()
 
 
-def fsdp2(ctx: Ctx) -> None:
-    """FSDP2: fully_shard per decoder layer and the root; fp32 sharded params, bf16 compute, fp32 reduce."""
+def fsdp2(ctx: Ctx, switch: bool = True) -> None:
+    """FSDP2: fully_shard per decoder layer and the root; fp32 sharded params, bf16 compute, fp32 reduce.
+    Train steps, then (switch) the unshard/reshard of every parameter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -101,6 +102,10 @@ def fsdp2(ctx: Ctx) -> None:
             record_train(ctx, "fsdp2", name, times, pm, params=numel, optimizer="torch AdamW (foreach)",
                          activation_checkpointing=checkpointing)
         model.gradient_checkpointing_disable()
+        if not switch:
+            del model, opt
+            release_memory()
+            continue
 
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -206,8 +211,8 @@ def deepspeed_switch(ctx: Ctx) -> None:
         release_memory()
 
 
-def deepspeed_zero3(ctx: Ctx) -> None:
-    """DeepSpeed ZeRO-3 (bf16, torch AdamW): train step, switch, gather-once and naive generate."""
+def deepspeed_zero3(ctx: Ctx, rest: bool = True) -> None:
+    """DeepSpeed ZeRO-3 (bf16, torch AdamW): train step, then (rest) switch, gather-once and naive generate."""
     deepspeed = import_deepspeed(ctx, "train_step")
     if deepspeed is None:
         return
@@ -228,6 +233,11 @@ def deepspeed_zero3(ctx: Ctx) -> None:
             record_train(ctx, "deepspeed_zero3", name, times, pm, params=numel, optimizer="torch AdamW (foreach)",
                          activation_checkpointing=checkpointing)
         engine.module.gradient_checkpointing_disable()
+        if not rest:
+            engine.destroy()
+            del engine, model, params
+            release_memory()
+            continue
         _ds_switch(ctx, name, params, numel)
 
         prompts = random_ids(ctx, w.batch, w.prompt, model.config.vocab_size, seed=1)

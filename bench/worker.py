@@ -6,6 +6,7 @@ A bench that raises is logged and recorded as a `not_run` row with the error, an
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import sys
 import traceback
@@ -23,7 +24,9 @@ BENCHES = {
     "all_gather": floors.all_gather,
     "hf_generate": peers.hf_generate,
     "fsdp2": peers.fsdp2,
+    "fsdp2_train": functools.partial(peers.fsdp2, switch=False),
     "deepspeed": peers.deepspeed_zero3,
+    "deepspeed_train": functools.partial(peers.deepspeed_zero3, rest=False),
     "deepspeed_switch": peers.deepspeed_switch,
     "segment_copy": segment_copy.segment_copy,
     "switch": switch.switch,
@@ -53,6 +56,8 @@ SUITES: dict[str, list[str]] = {
     "paged_attention_sweep": ["hbm_copy", "paged_attention_sweep"],
     "ppo_loss": ["gemm", "ppo_loss"],
     "train_step": ["gemm", "train_step"],
+    # hybridengine's train step with both peers' in one run (one model per device call at 7B)
+    "train_peers": ["gemm", "train_step", "fsdp2_train", "deepspeed_train"],  # DeepSpeed last (zero.Init)
     "ppo_e2e": ["ppo_e2e", "ppo_e2e_deepspeed"],  # DeepSpeed last (zero.Init)
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"]}
