@@ -8,7 +8,8 @@ One `switch_to_generation()` per variant under torch.profiler, after two warm-up
 the switch's wall time, host time in `map_unit`, GPU time in NCCL kernels (union), how much of the
 mapping ran while an all-gather was on the GPU, and the GPU's idle time inside the switch. If the
 mapping overlapped the all-gathers, idle ~ the first batch's mapping; if the driver serialises it
-with the GPU's work, idle ~ all of it. Writes DIR/profile_switch.json (rank 0) and a chrome trace
+with the GPU's work, idle ~ all of it. With the VMM buffer, the host time of each driver call
+(cuMemCreate, cuMemMap, cuMemSetAccess; VmmRange.timings) says which one costs. Writes DIR/profile_switch.json (rank 0) and a chrome trace
 per variant and rank. On CPU (gloo) it runs for the tests: host ranges only.
 """
 
@@ -52,6 +53,8 @@ def profile_one(buf, variant: str, cuda: bool, trace: Path | None) -> dict:
 
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if gen.vmm is not None:
+        gen.vmm.timings(reset=True)
     gen.map_unit = traced
     try:
         with torch.profiler.profile(activities=acts) as prof:
@@ -72,7 +75,8 @@ def profile_one(buf, variant: str, cuda: bool, trace: Path | None) -> dict:
     maps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "he.map_unit"]
     nccl = [(e.time_range.start, e.time_range.end) for e in events
             if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]
-    return dict(variant=variant, host_ms=host_s * 1e3, **analyse((window.start, window.end), maps, nccl))
+    driver = {} if gen.vmm is None else {k: dict(ms=t * 1e3, calls=n) for k, (t, n) in gen.vmm.timings().items()}
+    return dict(variant=variant, host_ms=host_s * 1e3, driver=driver, **analyse((window.start, window.end), maps, nccl))
 
 
 def run(model: str, device: torch.device, out: Path, batch_bytes: int | None) -> dict:
@@ -109,6 +113,9 @@ def run(model: str, device: torch.device, out: Path, batch_bytes: int | None) ->
                   f"({v['maps']} calls, {v['map_under_nccl_ms']:.2f} ms of it under an all-gather), NCCL busy "
                   f"{v['nccl_busy_ms']:.2f} ms in {v['nccl_kernels']} kernels, GPU idle {v['gpu_idle_ms']:.2f} ms",
                   flush=True)
+            if v["driver"]:
+                print("  driver: " + ", ".join(f"{k} {d['ms']:.2f} ms / {d['calls']}" for k, d in v["driver"].items()),
+                      flush=True)
     return result
 
 

@@ -4,6 +4,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
+
 #include "vmm.h"
 
 namespace hybridengine {
@@ -49,6 +52,21 @@ const DriverApi& api() {
   return table;
 }
 
+// Host seconds spent in each driver call (nanoseconds, summed over threads): what a switch's mapping
+// costs, call by call (bench.profile_switch reads them through VmmRange.timings()).
+enum Step { kCreate, kMap, kAccess, kUnmap, kRelease, kSteps };
+std::atomic<int64_t> g_ns[kSteps];
+std::atomic<int64_t> g_calls[kSteps];
+
+template <typename Fn>
+CUresult timed(Step step, Fn&& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const CUresult r = fn();
+  g_ns[step] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  g_calls[step] += 1;
+  return r;
+}
+
 CUmemAllocationProp device_prop(int device) {
   CUmemAllocationProp prop = {};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -86,10 +104,10 @@ int vmm_map(uint64_t address, size_t bytes, int device, uint64_t* handle) {
   if (a.status != CUDA_SUCCESS) return a.status;
   CUmemAllocationProp prop = device_prop(device);
   CUmemGenericAllocationHandle h = 0;
-  CUresult r = a.create(&h, bytes, &prop, 0);
+  CUresult r = timed(kCreate, [&] { return a.create(&h, bytes, &prop, 0); });
   if (r != CUDA_SUCCESS) return r;
   const CUdeviceptr ptr = static_cast<CUdeviceptr>(address);
-  r = a.map(ptr, bytes, 0, h, 0);
+  r = timed(kMap, [&] { return a.map(ptr, bytes, 0, h, 0); });
   if (r != CUDA_SUCCESS) {
     a.release(h);
     return r;
@@ -98,7 +116,7 @@ int vmm_map(uint64_t address, size_t bytes, int device, uint64_t* handle) {
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  r = a.set_access(ptr, bytes, &access, 1);
+  r = timed(kAccess, [&] { return a.set_access(ptr, bytes, &access, 1); });
   if (r != CUDA_SUCCESS) {
     a.unmap(ptr, bytes);
     a.release(h);
@@ -111,9 +129,16 @@ int vmm_map(uint64_t address, size_t bytes, int device, uint64_t* handle) {
 int vmm_unmap(uint64_t address, size_t bytes, uint64_t handle) {
   const DriverApi& a = api();
   if (a.status != CUDA_SUCCESS) return a.status;
-  const CUresult r = a.unmap(static_cast<CUdeviceptr>(address), bytes);
+  const CUresult r = timed(kUnmap, [&] { return a.unmap(static_cast<CUdeviceptr>(address), bytes); });
   if (r != CUDA_SUCCESS) return r;
-  return a.release(static_cast<CUmemGenericAllocationHandle>(handle));
+  return timed(kRelease, [&] { return a.release(static_cast<CUmemGenericAllocationHandle>(handle)); });
+}
+
+void vmm_timings(double seconds[5], int64_t calls[5], bool reset) {
+  for (int i = 0; i < kSteps; ++i) {
+    seconds[i] = static_cast<double>(reset ? g_ns[i].exchange(0) : g_ns[i].load()) * 1e-9;
+    calls[i] = reset ? g_calls[i].exchange(0) : g_calls[i].load();
+  }
 }
 
 const char* vmm_error_string(int code) {

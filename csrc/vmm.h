@@ -15,5 +15,8 @@ int vmm_free_range(uint64_t address, size_t bytes);                    // cuMemA
 int vmm_map(uint64_t address, size_t bytes, int device, uint64_t* handle);
 int vmm_unmap(uint64_t address, size_t bytes, uint64_t handle);        // cuMemUnmap + cuMemRelease
 const char* vmm_error_string(int code);
+// Host seconds and call counts, process-wide, of cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap,
+// cuMemRelease (in that order) since the last reset.
+void vmm_timings(double seconds[5], int64_t calls[5], bool reset);
 
 }  // namespace hybridengine

@@ -162,6 +162,17 @@ class VmmRange : public torch::CustomClassHolder {
     return "";
   }
 
+  // [seconds x 5, calls x 5] of cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease,
+  // process-wide since the last reset (host time; the release thread's calls included).
+  std::vector<double> timings(bool reset) {
+    double seconds[5];
+    int64_t calls[5];
+    vmm_timings(seconds, calls, reset);
+    std::vector<double> out(seconds, seconds + 5);
+    for (int64_t c : calls) out.push_back(static_cast<double>(c));
+    return out;
+  }
+
   // Join a deferred release; its error ("" if none). Ranges it failed to release count as mapped.
   std::string wait_released() {
     if (releaser_.joinable()) releaser_.join();
@@ -221,6 +232,7 @@ TORCH_LIBRARY_FRAGMENT(hybridengine, m) {
       .def("is_mapped", &VmmRange::is_mapped)
       .def("unmap_after_current_stream", &VmmRange::unmap_after_current_stream)
       .def("wait_released", &VmmRange::wait_released)
+      .def("timings", &VmmRange::timings)
       .def("bytes_tensor", &VmmRange::bytes_tensor);
 }
 

@@ -50,6 +50,12 @@ class VmmRange:
     def wait_released(self) -> None:
         _raise(self._range.wait_released())
 
+    def timings(self, reset: bool = False) -> dict[str, tuple[float, int]]:
+        """Host seconds and calls per driver call (create, map, set_access, unmap, release), process-wide."""
+        t = self._range.timings(bool(reset))
+        names = ("create", "map", "set_access", "unmap", "release")
+        return {n: (t[i], int(t[5 + i])) for i, n in enumerate(names)}
+
     def is_mapped(self, offset: int) -> bool:
         return self._range.is_mapped(int(offset))
 

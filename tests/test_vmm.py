@@ -57,6 +57,17 @@ def test_deferred_release_waits_for_queued_work():
     assert r.mapped_bytes() == 2 * g
 
 
+def test_driver_call_timings():
+    r = vmm_range(2 << 21)
+    r.timings(reset=True)
+    r.map(0, r.granularity)
+    r.unmap(0)
+    t = r.timings()
+    assert all(t[k][1] == 1 and t[k][0] > 0 for k in ("create", "map", "set_access", "unmap", "release")), t
+    assert r.timings(reset=True)["map"][1] == 1  # a reset returns the counts, then zeroes them
+    assert all(n == 0 for _, n in r.timings().values())
+
+
 def test_errors():
     r = vmm_range(4 << 21)
     g = r.granularity
