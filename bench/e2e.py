@@ -58,9 +58,9 @@ def _rewards(num: int, step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 2, (num,), generator=g).float()
 
 
-def _record(ctx: Ctx, provider: str, model: str, w: E2EWork, steps: list[dict], pm) -> None:
+def _record(ctx: Ctx, provider: str, model: str, w: E2EWork, steps: list[dict], pm, **variant) -> None:
     """Rows of one provider from per-step phase timings (seconds, slowest rank per phase)."""
-    case = _case(ctx, w)
+    case = {**_case(ctx, w), **variant}
     totals = [sum(s.values()) for s in steps]
     seqs = w.prompts * w.n
     all_tokens = ctx.world * seqs * (w.prompt + w.new_tokens)
@@ -138,6 +138,12 @@ def ppo_e2e(ctx: Ctx) -> None:
         _record(ctx, "hybridengine", model, w, steps, pm)
         share = quantiles([(s["switch_to_generation"] + s["switch_to_training"]) / sum(s.values()) for s in steps])[1]
         ctx.log(f"  {BENCH} hybridengine {model}: the switch is {share:.1%} of the step")
+        if ctx.cuda:  # EngineConfig.lazy_cuda_graphs: each decode bucket captured at its first step
+            engine.config.lazy_cuda_graphs = True
+            with ctx.peak() as pm:
+                steps = [step(i) for i in range(3, 3 + ctx.reps(2))]
+            _record(ctx, "hybridengine", model, w, steps, pm, lazy_cuda_graphs=True)
+            engine.config.lazy_cuda_graphs = False
         del engine
         release_memory()
 

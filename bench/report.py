@@ -687,11 +687,13 @@ def _e2e_steps(rows: list[dict]) -> list[dict]:
 def _e2e_phases(rows: list[dict], r: dict) -> dict[str, float]:
     return {x["case"]["phase"]: x["value"] for x in in_run(rows, r["run_id"])
             if x["bench"] == "ppo_e2e" and x["provider"] == r["provider"] and x["model"] == r["model"]
-            and x["metric"] == "seconds" and "phase" in x["case"]}
+            and x["metric"] == "seconds" and "phase" in x["case"]
+            and x["case"].get("lazy_cuda_graphs") == r["case"].get("lazy_cuda_graphs")}
 
 
 def ppo_e2e_section(rows: list[dict]) -> str:
-    steps = sorted(_e2e_steps(rows), key=lambda r: (r["model"] or "", r["provider"]))
+    steps = sorted(_e2e_steps(rows), key=lambda r: (r["model"] or "", r["provider"],
+                                                     bool(r["case"].get("lazy_cuda_graphs"))))
     if not steps:
         return "## Whole GRPO step (ppo_e2e)\n\nNo rows yet."
     notes = Notes()
@@ -703,7 +705,8 @@ def ppo_e2e_section(rows: list[dict]) -> str:
         switch = sum(phases.get(k, 0.0) for k in ("switch_to_generation", "switch_to_training"))
         ds, _ = peer(rows, r["run_id"], bench="ppo_e2e", provider="deepspeed_zero3", model=r["model"], metric="seconds")
         vs = "–" if r["provider"] != "hybridengine" else ratio(ds and ds["value"], r["value"]) + notes.other_run(ds, r["run_id"])
-        body.append([r["model"], r["provider"], f"{r['num_gpus']} x {r['gpu']}", dur_spread(r),
+        label = r["provider"] + (" (lazy CUDA graphs)" if r["case"].get("lazy_cuda_graphs") else "")
+        body.append([r["model"], label, f"{r['num_gpus']} x {r['gpu']}", dur_spread(r),
                      fmt(tok and tok["value"]), vs, f"{switch / r['value']:.1%}" if r["provider"] == "hybridengine" else "–",
                      split])
     c = steps[0]["case"]
@@ -1010,7 +1013,7 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          "tokens (peers only; no hybridengine train-step rows): FSDP2 speed vs DeepSpeed ZeRO-3",
                          f"FSDP2 {dur(fsdp['value'])}", f"ZeRO-3 {dur(ds['value'])}",
                          f"{ratio(ds['value'], fsdp['value'])}x", "–", _where(fsdp, ds)])
-    for r in _e2e_steps(rows):
+    for r in (r for r in _e2e_steps(rows) if not r["case"].get("lazy_cuda_graphs")):
         if r["provider"] != "hybridengine":
             continue
         ds, _ = peer(rows, r["run_id"], bench="ppo_e2e", provider="deepspeed_zero3", model=r["model"], metric="seconds")
