@@ -93,6 +93,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("EngineConfig.max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.split_master and self.dtype != torch.bfloat16:
+            raise ValueError(f"EngineConfig.split_master=True needs dtype=torch.bfloat16 (the master's high half), "
+                             f"got {self.dtype}")
 
 
 @dataclass(slots=True)

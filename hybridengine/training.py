@@ -365,7 +365,7 @@ class Trainer:
 
         if self._optimizer is None:
             c = self._opt_config
-            master = "split" if self.split_master and self.dtype == torch.bfloat16 else None
+            master = "split" if self.split_master else None  # EngineConfig checked the dtype
             self._optimizer = FlatAdamW(self.sharded.shard_views(), self._decay, lr=c.lr, betas=c.betas, eps=c.eps,
                                         weight_decay=c.weight_decay, master_weights=master)
         return self._optimizer

@@ -125,6 +125,8 @@ def test_generate_outside_rollout_and_bad_params():
         he.EngineConfig(block_size=12)
     with pytest.raises(ValueError, match="tp_generation"):
         he.EngineConfig(tp_generation=0)
+    with pytest.raises(ValueError, match=r"split_master=True needs dtype=torch.bfloat16"):
+        he.EngineConfig(dtype=torch.float32, split_master=True)
 
 
 def test_admission_counts_a_prompts_samples():
