@@ -348,6 +348,7 @@ class Trainer:
         # Gradients (4 B/param) and AdamW state (12 B/param with fp32 master weights) appear at the first
         # optimizer step: an engine that only scores (a reference model's log_probs) never holds them.
         self._grads: list[torch.Tensor] | None = None
+        self._fresh: set[int] = set()  # units whose grad shard this step has not written yet
         self._optimizer: FlatAdamW | None = None
 
     @property
@@ -577,8 +578,8 @@ class Trainer:
     def _step(self, batch: PPOBatch, cfg, head_loss) -> dict:
         t0 = time.perf_counter()
         self.sharded.clear_prefetch()
-        for g in self.grads:
-            g.zero_()
+        # No zeroing pass: a unit's first reduce-scatter of the step writes its shard, later ones add.
+        self._fresh = set(range(len(self.grads)))
         groups = _plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group)
         # The loss is aggregated over the whole rank batch: weight each micro-batch by its share.
         mask_counts = [float(m.sum()) for m in batch.response_mask]
@@ -592,6 +593,8 @@ class Trainer:
             stats = self._micro_step(batch, rows, w, head_loss, cfg.activation_checkpointing)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + w * v
+        for u in self._fresh:  # a unit no micro-batch reduced (none today): zero gradient
+            self.grads[u].zero_()
         grad_norm = self._clip_and_step(cfg)
         opt = self.optimizer
         totals.update(grad_norm=grad_norm, lr=opt.lr_at(opt.num_steps), step=opt.num_steps,
@@ -680,13 +683,17 @@ class Trainer:
 
     def _reduce(self, u: int, grads: dict[str, torch.Tensor] | None = None, natural: torch.Tensor | None = None) -> None:
         """Natural-layout fp32 gradients of unit u (by name, or an already filled `_natural_grad` buffer)
-        -> summed over ranks and added into this rank's grad shard."""
+        -> summed over ranks into this rank's grad shard (written by the step's first, added after)."""
         unit = self.layout.units[u]
         if natural is None:
             natural = self._natural_grad(u)
             for name, g in grads.items():
                 if g is not None:
                     self.layout.natural_view(natural, name).copy_(g)
+        if u in self._fresh:  # the step's first gradient of this unit: straight into the shard
+            self.sharded.reduce_scatter_grad(u, natural, self.grads[u])
+            self._fresh.discard(u)
+            return
         out = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
         self.sharded.reduce_scatter_grad(u, natural, out)
         self.grads[u] += out
