@@ -452,8 +452,10 @@ class ShardedBuffer:
         return self.layout.natural_view(natural, name)
 
     def reduce_scatter_grad(self, u: int, natural_grad: torch.Tensor, out: torch.Tensor,
-                            op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-        """out (this rank's shard of unit u) = reduction over ranks of the packed natural gradients."""
+                            op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False):
+        """out (this rank's shard of unit u) = reduction over ranks of the packed natural gradients.
+        With `async_op` returns the collective's work (None when nothing was communicated): `out` holds
+        the result once `work.wait()` has run (on CUDA: the current stream waits for it)."""
         unit = self.layout.units[u]
         if natural_grad.dim() != 1 or natural_grad.numel() < unit.natural_numel:
             raise ValueError(f"reduce_scatter_grad: natural_grad of unit {unit.name!r} must be 1-D with at least "
@@ -467,8 +469,8 @@ class ShardedBuffer:
             packed = self.pack_unit(u, natural_grad)
         if self.world_size == 1:
             out.copy_(packed[:unit.shard_numel])
-        else:
-            _reduce_scatter(out, packed, op=op, group=self.group)
+            return None
+        return _reduce_scatter(out, packed, op=op, group=self.group, async_op=async_op)
 
     def close(self) -> None:
         """Release G (and with it every mapping)."""

@@ -349,6 +349,7 @@ class Trainer:
         # optimizer step: an engine that only scores (a reference model's log_probs) never holds them.
         self._grads: list[torch.Tensor] | None = None
         self._fresh: set[int] = set()  # units whose grad shard this step has not written yet
+        self._pending = None  # (work, input, out or None, unit) of the reduce-scatter in flight
         self._optimizer: FlatAdamW | None = None
 
     @property
@@ -659,6 +660,7 @@ class Trainer:
             del tied_head_grad
         embed_grad.index_add_(0, ids, grad_x.float())
         self._reduce(embed_u, natural=natural)
+        self._finish_reduces()
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
     @torch.no_grad()
@@ -690,13 +692,29 @@ class Trainer:
             for name, g in grads.items():
                 if g is not None:
                     self.layout.natural_view(natural, name).copy_(g)
+        # Asynchronous: the reduce-scatter of this unit runs while the next unit's backward computes (the
+        # NCCL stream waits for the gradients queued so far); `_finish_reduces` waits before the result
+        # is used. One in flight: its buffers are held one unit longer.
+        self._finish_reduces()
         if u in self._fresh:  # the step's first gradient of this unit: straight into the shard
-            self.sharded.reduce_scatter_grad(u, natural, self.grads[u])
+            work = self.sharded.reduce_scatter_grad(u, natural, self.grads[u], async_op=True)
             self._fresh.discard(u)
+            self._pending = (work, natural, None, u)
             return
         out = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
-        self.sharded.reduce_scatter_grad(u, natural, out)
-        self.grads[u] += out
+        work = self.sharded.reduce_scatter_grad(u, natural, out, async_op=True)
+        self._pending = (work, natural, out, u)
+
+    def _finish_reduces(self) -> None:
+        """Wait for the reduce-scatter in flight and add its result where it accumulates."""
+        if self._pending is None:
+            return
+        work, _natural, out, u = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        if out is not None:
+            self.grads[u] += out
 
     def _clip_and_step(self, cfg: PPOConfig) -> float:
         # Replicated parameters have one copy per TP slice, each in some rank's shard: count 1/tg of each.
