@@ -110,6 +110,11 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_
             # Summation order may differ between the collective and this sum: fp rounding only.
             tol = 1e-12 if gdtype == torch.float64 else 1e-5
             assert torch.allclose(out, packed[start:end], rtol=0, atol=tol), (tp, unit.name)
+            later = torch.empty_like(out)  # the asynchronous form gives the same bits once waited
+            work = buf.reduce_scatter_grad(u, grad, later, async_op=True)
+            if work is not None:
+                work.wait()
+            assert torch.equal(later, out), (tp, unit.name)
 
         # Wrong-state calls raise, naming the rank, and leave the state alone.
         for call, message, state in ((buf.switch_to_training, "needs the generation state", "training"),
