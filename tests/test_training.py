@@ -246,11 +246,13 @@ def _worker(rank, world, init_file, tp, overrides, batches, ref_losses, ref_weig
 
 
 @pytest.mark.parametrize("world,tp,checkpointing", [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True),
-                                                    (2, 1, False), (4, 2, False)])
+                                                    (2, 1, False), (4, 2, False),
+                                                    (8, 1, True), (8, 2, False), (8, 4, True), (8, 8, False)])
 def test_data_parallel_matches_torch_reference(world, tp, checkpointing):
-    """checkpointing False: activations kept, parameters re-gathered in backward (saved-tensor hooks)."""
-    # tg = 4 needs 4 KV heads (TP splits whole heads)
-    overrides = dict(num_key_value_heads=4) if tp == 4 else {}
+    """checkpointing False: activations kept, parameters re-gathered in backward (saved-tensor hooks).
+    N = 8 (gloo) is the CPU part of the scaling issue: every tg, micro-DP groups of 8, 4, 2 and 1."""
+    # TP splits whole heads: tg = 4 needs 4 KV heads, tg = 8 eight query and KV heads
+    overrides = {4: dict(num_key_value_heads=4), 8: dict(num_attention_heads=8, num_key_value_heads=8)}.get(tp, {})
     hf = build(**overrides)
     batches = make_batches(hf, world)
     ref_losses, ref_weights = reference_run(hf, batches)
