@@ -288,10 +288,10 @@ class ShardedBuffer:
 
         Units go in batches of about `switch_batch_bytes` received bytes, the smallest unit first: a
         batch's pages are mapped (host, ~1.3 ms/GiB) while the previous batch's all-gathers run, and a
-        batch's all-gathers are one NCCL group call (NCCL's bus bandwidth grows with the transfer;
-        the batch size: SWITCH_BATCH_BYTES). Pages kept mapped by `switch_to_training(release=False)` are not mapped
-        again, only gathered into. If a mapping fails, what this call mapped is unmapped again (kept
-        pages stay) and the buffer stays in the training state."""
+        batch's all-gathers are one NCCL group call (NCCL's bus bandwidth grows with the transfer; the
+        batch size: SWITCH_BATCH_BYTES). Pages kept by `switch_to_training(release=False)` are not
+        mapped again, only gathered into. If a mapping fails, what this call mapped is unmapped again
+        (kept pages stay) and the buffer stays in the training state."""
         self._expect("training", "switch_to_generation")
         self.gen.wait_released()  # a deferred release of the last switch back must be done first
         works, mapped = [], []  # mapped: (unit, byte offsets this call mapped for it)

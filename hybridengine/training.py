@@ -579,6 +579,7 @@ class Trainer:
     def _step(self, batch: PPOBatch, cfg, head_loss) -> dict:
         t0 = time.perf_counter()
         self.sharded.clear_prefetch()
+        self._finish_reduces()  # one left in flight by a step that raised: its shard is rewritten below
         # No zeroing pass: a unit's first reduce-scatter of the step writes its shard, later ones add.
         self._fresh = set(range(len(self.grads)))
         groups = _plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group)
