@@ -55,7 +55,9 @@ class EngineConfig:
     max_model_len: int = 4096
     """Longest prompt + completion."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of the GPU's memory the engine may use; the KV cache gets what parameters leave."""
+    """Fraction of the GPU's memory the engine may use; the KV cache gets what parameters leave, up to
+    what it can ever hold in use: max_num_seqs sequences of max_model_len (more would only be freed
+    again at the rollout's exit)."""
     num_kv_blocks: int | None = None
     """An explicit KV cache size in blocks (overrides gpu_memory_utilization; the default on CPU is
     enough for max_num_seqs sequences of max_model_len)."""
@@ -305,11 +307,12 @@ class HybridEngine:
             reserve = 2 * c.max_num_batched_tokens * max(m.hidden_size, m.intermediate_size) * 4 \
                 + c.max_num_seqs * m.vocab_size * 4 * 2
             budget = int(total * c.gpu_memory_utilization) - (total - free) - reserve
-            num_blocks = budget // per_block
-            if num_blocks < math.ceil(c.max_model_len / c.block_size):
+            if budget // per_block < math.ceil(c.max_model_len / c.block_size):
                 raise RuntimeError(f"rank {self.rank}: the KV cache budget ({budget / 2**30:.2f} GiB at "
                                    f"gpu_memory_utilization={c.gpu_memory_utilization}) does not hold one sequence of "
                                    f"max_model_len={c.max_model_len}; raise gpu_memory_utilization or lower max_model_len")
+            # Running sequences never hold more than this (forks share blocks; a preempted one frees its own).
+            num_blocks = min(budget // per_block, c.max_num_seqs * math.ceil(c.max_model_len / c.block_size))
         else:
             num_blocks = c.max_num_seqs * math.ceil(c.max_model_len / c.block_size)
         return KVCache(num_blocks=num_blocks, dtype=c.dtype, device=self.device, **shape)

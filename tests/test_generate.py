@@ -387,3 +387,42 @@ def test_gpu_rollout_exit_releases_kv_cache_and_graphs(device):
                f"{torch.cuda.memory_reserved()}, KV {kv_bytes}")
     assert torch.cuda.memory_allocated() - before < 2**20, numbers
     assert torch.cuda.memory_reserved() - reserved_before < kv_bytes // 2, numbers
+
+
+def test_cuda_kv_cache_is_capped_by_what_running_sequences_can_hold(monkeypatch):
+    """On CUDA the cache takes the memory budget, but no more than max_num_seqs sequences of
+    max_model_len can use (every block beyond that would be allocated and freed for nothing)."""
+    import math
+
+    import hybridengine.engine as engine_module
+    from hybridengine.runner import KVCache
+
+    engine, _ = make_engine("tiny-qwen2")  # max_num_seqs=8, max_model_len=64, block_size=4
+    c = engine.config
+    cap = c.max_num_seqs * math.ceil(c.max_model_len / c.block_size)
+    sizes = []
+
+    class FakeKV:
+        bytes_per_block = staticmethod(KVCache.bytes_per_block)
+
+        def __init__(self, *, num_blocks, **kwargs):
+            sizes.append(num_blocks)
+
+    monkeypatch.setattr(engine_module, "KVCache", FakeKV)
+    monkeypatch.setattr(engine, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    for free_gib, expect_cap in ((100, True), (None, False)):
+        total = 141 * 2**30
+        if free_gib is None:  # a budget of 40 blocks: below the cap, so it binds
+            m = engine.model.config
+            per_block = KVCache.bytes_per_block(dtype=c.dtype, num_layers=m.num_hidden_layers, block_size=c.block_size,
+                                                num_kv_heads=m.num_key_value_heads, head_dim=m.head_dim)
+            reserve = 2 * c.max_num_batched_tokens * max(m.hidden_size, m.intermediate_size) * 4 \
+                + c.max_num_seqs * m.vocab_size * 4 * 2
+            free = total - int(total * c.gpu_memory_utilization) + reserve + 40 * per_block
+        else:
+            free = free_gib * 2**30
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, total))
+        engine._allocate_kv()
+        assert sizes[-1] == (cap if expect_cap else 40), (free_gib, sizes)
