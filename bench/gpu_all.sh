@@ -4,7 +4,7 @@
 # Usage (repo root, wheels carried in .whl/): bash bench/gpu_all.sh "segment_copy --gpus 1" "switch --gpus 2"
 # Each bench suite gets at most $SUITE_TIMEOUT seconds (default 300); the GPU tests $PYTEST_TIMEOUT (240) over
 # $PYTEST_FILES (default: tests).
-# HE_BENCH_TG=2 limits the generate bench to those TP degrees.
+# HE_BENCH_TG=2 limits the generate bench to those TP degrees; PROFILE_SWITCH=<model> adds bench.profile_switch.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
@@ -23,6 +23,11 @@ python3 -m hybridengine info | tee "$out/info.txt"
 timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${PYTEST_FILES:-tests} -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest_gpu.log"
 tail -3 "$out/pytest_gpu.log"
 timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_sharded.py 2>&1 | tail -8 | tee "$out/dist_sharded.log"
+if [ -n "${PROFILE_SWITCH:-}" ]; then  # PROFILE_SWITCH=qwen2-7b: one profiled switch (traces stay on the device)
+  timeout 240 torchrun --standalone --nproc-per-node 2 -m bench.profile_switch --model "$PROFILE_SWITCH" \
+    --out /tmp/profile_switch 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*" | tail -8 | tee "$out/profile_switch.log"
+  cp /tmp/profile_switch/profile_switch.json "$out/" 2>/dev/null
+fi
 for suite in "$@"; do
   echo "=== python -m bench run --suite $suite"
   timeout ${SUITE_TIMEOUT:-300} python3 -m bench run --suite $suite --out "$out/results.jsonl" 2>&1 | tr '\r' '\n' \
