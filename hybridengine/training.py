@@ -687,16 +687,17 @@ class Trainer:
     def _reduce(self, u: int, grads: dict[str, torch.Tensor] | None = None, natural: torch.Tensor | None = None) -> None:
         """Natural-layout fp32 gradients of unit u (by name, or an already filled `_natural_grad` buffer)
         -> summed over ranks into this rank's grad shard (written by the step's first, added after)."""
+        # Asynchronous: the reduce-scatter of this unit runs while the next unit's backward computes (the
+        # NCCL stream waits for the gradients queued so far); `_finish_reduces` waits before the result
+        # is used. One in flight, waited here first (its backward overlap is done), so its buffer is free
+        # before this unit's is filled.
+        self._finish_reduces()
         unit = self.layout.units[u]
         if natural is None:
             natural = self._natural_grad(u)
             for name, g in grads.items():
                 if g is not None:
                     self.layout.natural_view(natural, name).copy_(g)
-        # Asynchronous: the reduce-scatter of this unit runs while the next unit's backward computes (the
-        # NCCL stream waits for the gradients queued so far); `_finish_reduces` waits before the result
-        # is used. One in flight: its buffers are held one unit longer.
-        self._finish_reduces()
         if u in self._fresh:  # the step's first gradient of this unit: straight into the shard
             work = self.sharded.reduce_scatter_grad(u, natural, self.grads[u], async_op=True)
             self._fresh.discard(u)
