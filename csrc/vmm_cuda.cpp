@@ -8,6 +8,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -77,6 +78,12 @@ class VmmRange : public torch::CustomClassHolder {
       return "invalid: offset " + std::to_string(offset) + " and bytes " + std::to_string(bytes) +
              " must be multiples of the granularity " + std::to_string(granularity_);
     }
+    for (const auto& [held, m] : releasing_) {  // after the join: only ranges whose release failed
+      if (held < offset + bytes && held + static_cast<int64_t>(m.bytes) > offset) {
+        return "invalid: [" + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+               ") overlaps a range whose release failed (offset " + std::to_string(held) + ")";
+      }
+    }
     auto next = mappings_.lower_bound(offset);
     const bool clash_next = next != mappings_.end() && next->first < offset + bytes;
     const bool clash_prev = next != mappings_.begin() &&
@@ -118,17 +125,24 @@ class VmmRange : public torch::CustomClassHolder {
   std::string unmap_after_current_stream(std::vector<int64_t> offsets) {
     std::string pending = wait_released();
     if (!pending.empty()) return pending;
+    std::sort(offsets.begin(), offsets.end());
+    offsets.erase(std::unique(offsets.begin(), offsets.end()), offsets.end());
     for (int64_t offset : offsets) {
       if (mappings_.count(offset) == 0) return "invalid: nothing was mapped at offset " + std::to_string(offset);
     }
     if (offsets.empty()) return "";
     cudaEvent_t done = nullptr;
+    // The event belongs to this range's device, whatever device the caller has current.
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(static_cast<int>(device_));
     // c10's device-generic stream API (no c10/cuda headers: CI syntax-checks this file against CPU torch).
     const c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_));
     const auto stream = static_cast<cudaStream_t>(
         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dev).native_handle());
     cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventRecord(done, stream);
+    cudaSetDevice(previous);
     if (e != cudaSuccess) {
       if (done != nullptr) cudaEventDestroy(done);
       return "VmmRange on cuda:" + std::to_string(device_) + ": recording the release event failed with " +
@@ -142,23 +156,11 @@ class VmmRange : public torch::CustomClassHolder {
         mappings_.erase(it);
       }
     }
-    releaser_ = std::thread([this, done] {
-      cudaSetDevice(static_cast<int>(device_));
-      const cudaError_t waited = cudaEventSynchronize(done);
-      cudaEventDestroy(done);
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (waited != cudaSuccess) {
-        release_error_ = std::string("waiting for the release event failed with ") + cudaGetErrorName(waited);
-        return;  // nothing is unmapped while the GPU may still read it; the mappings stay pending
-      }
-      for (auto it = releasing_.begin(); it != releasing_.end();) {
-        const int code = vmm_unmap(address_ + it->first, it->second.bytes, it->second.handle);
-        if (code != 0 && release_error_.empty()) {
-          release_error_ = describe(code, "deferred cuMemUnmap/cuMemRelease at offset " + std::to_string(it->first));
-        }
-        it = code == 0 ? releasing_.erase(it) : std::next(it);
-      }
-    });
+    try {
+      releaser_ = std::thread([this, done] { release_after(done); });
+    } catch (const std::exception&) {  // no thread to be had: release here, synchronously
+      release_after(done);
+    }
     return "";
   }
 
@@ -200,6 +202,26 @@ class VmmRange : public torch::CustomClassHolder {
     size_t bytes;
     uint64_t handle;
   };
+
+  // Wait for `done`, then unmap and release everything in releasing_ (on the releaser thread, or
+  // inline when no thread could be started).
+  void release_after(cudaEvent_t done) {
+    cudaSetDevice(static_cast<int>(device_));
+    const cudaError_t waited = cudaEventSynchronize(done);
+    cudaEventDestroy(done);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (waited != cudaSuccess) {
+      release_error_ = std::string("waiting for the release event failed with ") + cudaGetErrorName(waited);
+      return;  // nothing is unmapped while the GPU may still read it; the mappings stay pending
+    }
+    for (auto it = releasing_.begin(); it != releasing_.end();) {
+      const int code = vmm_unmap(address_ + it->first, it->second.bytes, it->second.handle);
+      if (code != 0 && release_error_.empty()) {
+        release_error_ = describe(code, "deferred cuMemUnmap/cuMemRelease at offset " + std::to_string(it->first));
+      }
+      it = code == 0 ? releasing_.erase(it) : std::next(it);
+    }
+  }
 
   std::string describe(int code, const std::string& what) const {
     if (code == 0) return "";

@@ -279,17 +279,25 @@ class HybridEngine:
                               cuda_graph_capture_s=self._runner.graph_capture_s, runner_setup_s=time.perf_counter() - t1)
             yield self
         finally:
-            if self._runner is not None:
-                self._runner.close()
-            self._runner = kv = None  # this frame's reference too: empty_cache below must see the cache freed
-            if self.device.type == "cuda":
-                # The KV cache and the CUDA graphs' pool go back to the driver once nothing is in flight
-                # (the next switch maps generation pages outside torch's allocator). No gc.collect here:
-                # it cost 0.22 s per switch in the ppo_e2e bench (1.5B, 2026-11-30).
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-            if self.sharded.state == "generation":
-                self.sharded.switch_to_training()
+            # Drop this frame's references too: empty_cache below must see the cache freed.
+            runner, self._runner, kv = self._runner, None, None
+            try:
+                if runner is not None:
+                    runner.close()
+            finally:
+                del runner
+                self._leave_rollout()
+
+    def _leave_rollout(self) -> None:
+        """The end of every rollout, also after an error: free the cache, back to the training view."""
+        if self.device.type == "cuda":
+            # The KV cache and the CUDA graphs' pool go back to the driver once nothing is in flight
+            # (the next switch maps generation pages outside torch's allocator). No gc.collect here:
+            # it cost 0.22 s per switch in the ppo_e2e bench (1.5B, 2026-11-30).
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        if self.sharded.state == "generation":
+            self.sharded.switch_to_training()
 
     def _allocate_kv(self) -> KVCache:
         c, m = self.config, self.model.config

@@ -63,11 +63,16 @@ def adamw_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_d
 def split_master(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 -> (hi bf16, lo int16) with bits(x) = (bits(hi) << 16) + lo exactly: hi rounds half away
     from zero (round to nearest; only an exact tie differs from `.to(torch.bfloat16)`), lo in
-    [-2^15, 2^15). The "split" master: the bf16 weights plus 2 bytes hold the fp32 master exactly."""
+    [-2^15, 2^15). The "split" master: the bf16 weights plus 2 bytes hold the fp32 master exactly
+    (a NaN becomes the canonical NaN: hi 0x7FC0, lo 0)."""
     bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     hi = (bits + 0x8000) >> 16
     lo = bits - (hi << 16)
-    hi = hi & 0xFFFF
+    # NaN: the canonical bf16 NaN, nothing below. Rounding a NaN's bits could carry into the sign or
+    # wrap to zero (the GPU's canonical fp32 NaN 0x7FFFFFFF would become -0.0): weights would turn 0.
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    hi = torch.where(nan, 0x7FC0, hi & 0xFFFF)
+    lo = torch.where(nan, 0, lo)
     return (torch.where(hi >= 0x8000, hi - 0x10000, hi).to(torch.int16).view(torch.bfloat16).view(x.shape),
             lo.to(torch.int16).view(x.shape))
 

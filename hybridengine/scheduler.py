@@ -150,6 +150,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        if seq.fork > self.max_num_seqs:
+            raise ValueError(f"request {seq.request}: {seq.fork} samples exceed max_num_seqs={self.max_num_seqs} "
+                             "(a prompt's samples decode in one batch)")
         self.waiting.append(seq)
 
     @property

@@ -302,6 +302,8 @@ class ShardedBuffer:
                 except RuntimeError as e:
                     for w in works:
                         w.wait()
+                    if self.device.type == "cuda":  # the all-gathers may still write what is unmapped next
+                        torch.cuda.current_stream(self.device).synchronize()
                     for v, offs in mapped:
                         self.gen.unmap_unit(v, offs)
                     raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map unit "
@@ -475,6 +477,6 @@ class ShardedBuffer:
     def close(self) -> None:
         """Release G (and with it every mapping)."""
         self._prefetched.clear()
-        if self.gen is not None:
-            self.gen.wait_released()
-        self.gen = None
+        gen, self.gen = self.gen, None
+        if gen is not None:
+            gen.wait_released()

@@ -580,6 +580,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.sharded.clear_prefetch()
         self._finish_reduces()  # one left in flight by a step that raised: its shard is rewritten below
+        # The last rollout's generation pages go back to the driver on a host thread (switch_to_training);
+        # the step's allocations must not race that release for memory. Usually long done by now.
+        self.sharded.wait_released()
         # No zeroing pass: a unit's first reduce-scatter of the step writes its shard, later ones add.
         self._fresh = set(range(len(self.grads)))
         groups = _plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group)

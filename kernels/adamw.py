@@ -73,6 +73,9 @@ def _adamw_kernel(grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, master_ptr, mask_ptr, p
         bits = p.to(tl.uint32, bitcast=True)
         hi = (bits + 0x8000) >> 16
         lo = (bits - (hi << 16)).to(tl.int32, bitcast=True)
+        nan = p != p  # the canonical NaN, as optim.split_master (rounding its bits could wrap to 0)
+        hi = tl.where(nan, 0x7FC0, hi)
+        lo = tl.where(nan, 0, lo)
         tl.store(param_ptr + offs, hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=valid)
         tl.store(master_ptr + offs, lo.to(tl.int16), mask=valid)
     else:

@@ -143,6 +143,8 @@ def test_admission_counts_a_prompts_samples():
     for seq in list(batch.seqs):
         sched.fork(seq)
     assert len(sched.running) == 8 and len(sched.schedule().seqs) == 8
+    with pytest.raises(ValueError, match="request 9: 9 samples exceed max_num_seqs=8"):
+        sched.add(Sequence(request=9, token_ids=[1], num_prompt_tokens=1, params=SamplingParams(n=9), fork=9))
     engine, _ = make_engine("tiny-qwen2")
     with engine.rollout():
         with pytest.raises(ValueError, match=r"n=9 samples exceed EngineConfig.max_num_seqs=8"):

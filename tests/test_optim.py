@@ -439,6 +439,19 @@ def test_split_master_is_exact():
         [2**-7, 2**-7, 2**-15]))  # ties: away from zero, one bf16 ulp above the even choice
 
 
+def test_split_master_nan_stays_nan():
+    """Every NaN pattern (the GPU's canonical 0x7FFFFFFF, x86's 0xFFC00000, ...) splits into the
+    canonical bf16 NaN and a zero low half: rounding a NaN's bits must not wrap the weight to 0."""
+    from hybridengine.optim import join_master, split_master
+
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, -0x400000, 0x7F800001, 0x7FFF8000], dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    assert bool(x.isnan().all())
+    hi, lo = split_master(x)
+    assert torch.equal(hi.view(torch.int16), torch.full((6,), 0x7FC0, dtype=torch.int16)) and not lo.any()
+    assert bool(join_master(hi, lo).isnan().all())
+
+
 def test_split_master_follows_the_fp32_master():
     """master_weights='split' keeps the fp32 master exactly: after steps it equals master_weights=True's
     masters bit for bit, the moments too, and the bf16 weights are its high half."""
@@ -474,6 +487,7 @@ def test_kernel_split_master_matches_reference_bitwise():
     launch = kernel()
     for step in range(1, 4):
         grads = make_grads(seed=step)
+        grads[2][7] = float("nan")  # a NaN gradient: both sides keep the weight NaN, not 0
         by_ref.step(grads, grad_scale=0.5)
         for i, p in enumerate(by_kernel.params):
             launch(by_kernel.master_lo[i], by_kernel.exp_avg[i], by_kernel.exp_avg_sq[i], grads[i],
