@@ -45,7 +45,7 @@ def test_deferred_release_waits_for_queued_work():
     out = torch.empty(n, device="cuda")
     torch.cuda._sleep(50_000_000)
     out.copy_(t[n:2 * n])
-    r.unmap_after_current_stream([g])
+    r.unmap_after_current_stream([g, g])  # a repeated offset counts once
     assert r.mapped_bytes() == 2 * g and not r.is_mapped(g)  # pending: still backed, no longer mappable by us
     r.wait_released()
     assert r.mapped_bytes() == g
