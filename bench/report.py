@@ -280,6 +280,24 @@ def _switch_rows(rows: list[dict]) -> list[dict]:
     return sorted(ours, key=lambda r: (r["model"] or "", r["case"].get("tg", 0)))
 
 
+def _gen_to_train(own: list[dict], model: str, tg) -> tuple[dict | None, dict | None]:
+    """A run's gen->train rows at tg: the call itself, and until its pages are released (or None)."""
+    backs = [r for r in own if matches(r, dict(bench="switch", provider="hybridengine", model=model, metric="seconds",
+                                               case_tg=tg, case_direction="gen_to_train"))]
+    return (next((r for r in backs if "until" not in r["case"]), None),
+            next((r for r in backs if r["case"].get("until") == "pages released"), None))
+
+
+def _unit_gather_nccl(rows: list[dict], run: str, model: str, piped: int) -> dict | None:
+    """The NCCL busbw row to hold a unit-gather row against: in its run, as many all-gathers back to back
+    as it pipelines layers (0: the single all-gather, else from the latest run that has one)."""
+    match = dict(bench="unit_gather", provider="nccl", model=model, metric="busbw_GB_per_s")
+    found = next((r for r in in_run(rows, run) if matches(r, match) and r["case"].get("pipelined", 0) == piped), None)
+    if found is None and not piped:
+        found, _ = peer(rows, run, **match)
+    return found
+
+
 def _switch_peer(rows: list[dict], r: dict, provider: str) -> tuple[dict | None, bool]:
     """A peer's gather of every parameter, at r's tg (the peers run tg = 1 only)."""
     return peer(rows, r["run_id"], bench="switch", provider=provider, model=r["model"], metric="seconds",
@@ -293,9 +311,7 @@ def switch_section(rows: list[dict]) -> str:
         run, model, tg = g["run_id"], g["model"], g["case"].get("tg")
         own = in_run(rows, run)
         key = dict(bench="switch", provider="hybridengine", model=model, case_tg=tg)
-        backs = [r for r in own if matches(r, dict(**key, metric="seconds", case_direction="gen_to_train"))]
-        back = next((r for r in backs if "until" not in r["case"]), None)
-        released = next((r for r in backs if r["case"].get("until") == "pages released"), None)
+        back, released = _gen_to_train(own, model, tg)
         gbps = pick(own, **key, metric="GB_per_s")
         nvml = pick(own, **key, metric="peak_GiB", case_source="nvml")
         mem = pick(own, bench="switch_memory", provider="hybridengine", model=model, case_tg=tg)
@@ -387,12 +403,7 @@ def unit_gather_section(rows: list[dict]) -> str:
         fsdp, _ = peer(rows, run, **key, provider="fsdp2", metric="seconds")
         fsdp_mark = notes.other_run(fsdp, run)
         for piped in sorted({r["case"].get("pipelined", 0) for r in ours}):
-            # isolated rows (no `pipelined`) against the single all-gather; pipelined ones against as many
-            # all-gathers back to back
-            nccl_bw = next((r for r in in_run(rows, run) if matches(r, dict(**key, provider="nccl",
-                            metric="busbw_GB_per_s")) and r["case"].get("pipelined", 0) == piped), None)
-            if nccl_bw is None and not piped:
-                nccl_bw, _ = peer(rows, run, **key, provider="nccl", metric="busbw_GB_per_s")
+            nccl_bw = _unit_gather_nccl(rows, run, model, piped)
             nccl_s = twin(rows, nccl_bw, "seconds")
             nccl_mark = notes.other_run(nccl_bw, run)
             for r in (r for r in ours if r["case"].get("pipelined", 0) == piped):
@@ -899,10 +910,7 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
             body.append([f"Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, {model} tg={tg}", dur(g["value"]),
                          dur(ds["value"]), f"{ratio(ds['value'], g['value'])}x", f">= {GOAL['switch_vs_deepspeed']}x",
                          _where(g, ds)])
-        backs = [r for r in own if matches(r, dict(bench="switch", provider="hybridengine", model=model,
-                                                   metric="seconds", case_tg=tg, case_direction="gen_to_train"))]
-        back = next((r for r in backs if "until" not in r["case"]), None)
-        released = next((r for r in backs if r["case"].get("until") == "pages released"), None)
+        back, released = _gen_to_train(own, model, tg)
         if g["case"].get("received_GB") == 0:
             body.append([f"Switch at tg={tg} (no bytes move), {model}: train->gen, gen->train", dur(g["value"]),
                          dur(back and back["value"]), "–", "< 1 ms", _where(g)])
@@ -915,10 +923,7 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
     for r in sorted((r for r in ug if r["model"] == model), key=lambda r: (r["case"].get("pipelined", 0),
                                                                            r["case"].get("tg", 0))):
         piped = r["case"].get("pipelined", 0)
-        nccl = next((x for x in in_run(rows, r["run_id"]) if matches(x, dict(bench="unit_gather", provider="nccl",
-                     model=model, metric="busbw_GB_per_s")) and x["case"].get("pipelined", 0) == piped), None)
-        if nccl is None and not piped:
-            nccl, _ = peer(rows, r["run_id"], bench="unit_gather", provider="nccl", model=model, metric="busbw_GB_per_s")
+        nccl = _unit_gather_nccl(rows, r["run_id"], model, piped)
         unpack = " + unpack" if r["case"].get("unpack") else ""
         unpack += f", {piped} layers pipelined vs {piped} all-gathers back to back" if piped else ""
         body.append([f"Unit gather busbw / NCCL all-gather busbw, {model} layer ({sig(r['case'].get('MB'))} MB), "

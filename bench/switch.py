@@ -114,43 +114,33 @@ def switch(ctx: Ctx) -> None:
 
 
 def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
-    """train->gen at other NCCL group sizes (bytes received per group call; 0: one all-gather per unit)."""
+    """train->gen at other NCCL group sizes (bytes received per group call; 0: one all-gather per unit),
+    then at the default with the pages kept mapped between switches (switch_to_training(release=False)):
+    the switch is the all-gather alone."""
     default = buf.switch_batch_bytes
-    for batch in sorted({0, 256 << 20, 1 << 30, 2 << 30, 8 << 30, default}):
+    sizes = sorted({0, 256 << 20, 1 << 30, 2 << 30, 8 << 30, default})
+    variants = [(batch, True) for batch in sizes] + [(default, False)]
+    for batch, release in variants:
         buf.switch_batch_bytes = batch
-
-        def trip():
-            buf.switch_to_generation()
-            ctx.sync()
-            buf.switch_to_training()
-            buf.wait_released()
-
-        trip()
         times = []
-        for _ in range(ctx.reps(8)):
-            times.append(ctx.timed(buf.switch_to_generation))
-            buf.switch_to_training()
+        for i in range(1 + ctx.reps(8)):  # the first switch warms up (and maps the pages to keep)
+            t = ctx.timed(buf.switch_to_generation)
+            buf.switch_to_training(release=release)
             buf.wait_released()
+            if i:
+                times.append(t)
         times = ctx.slowest(times)
-        ctx.rec.add("switch_batch_sweep", "hybridengine", model, {**case, "direction": "train_to_gen",
-                                                                  "batch_MiB": batch >> 20, "default": batch == default},
+        if release:
+            row = {"batch_MiB": batch >> 20, "default": batch == default}
+        else:
+            buf.release_generation_pages()
+            buf.wait_released()
+            row = {"batch_MiB": batch >> 20, "pages": "kept mapped"}
+        ctx.rec.add("switch_batch_sweep", "hybridengine", model, {**case, "direction": "train_to_gen", **row},
                     "seconds", times)
-        ctx.log(f"  switch {model} batch {batch >> 20} MiB: train->gen {quantiles(times)[1] * 1e3:.2f} ms")
+        ctx.log(f"  switch {model} batch {batch >> 20} MiB{'' if release else ', pages kept mapped'}: train->gen "
+                f"{quantiles(times)[1] * 1e3:.2f} ms")
     buf.switch_batch_bytes = default
-    # Pages kept mapped between rollouts (switch_to_training(release=False)): the switch is the all-gather alone.
-    buf.switch_to_generation()
-    buf.switch_to_training(release=False)
-    times = []
-    for _ in range(ctx.reps(8)):
-        times.append(ctx.timed(buf.switch_to_generation))
-        buf.switch_to_training(release=False)
-    times = ctx.slowest(times)
-    buf.release_generation_pages()
-    buf.wait_released()
-    ctx.rec.add("switch_batch_sweep", "hybridengine", model, {**case, "direction": "train_to_gen",
-                                                              "batch_MiB": default >> 20, "pages": "kept mapped"},
-                "seconds", times)
-    ctx.log(f"  switch {model} pages kept mapped: train->gen {quantiles(times)[1] * 1e3:.2f} ms")
 
 
 def unit_gather(ctx: Ctx) -> None:

@@ -304,6 +304,8 @@ class HybridEngine:
         shape = dict(num_layers=m.num_hidden_layers, block_size=c.block_size, num_kv_heads=m.num_key_value_heads,
                      head_dim=m.head_dim)
         per_block = KVCache.bytes_per_block(dtype=c.dtype, **shape)
+        # What running sequences can ever hold (forks share blocks; a preempted one frees its own).
+        most = c.max_num_seqs * math.ceil(c.max_model_len / c.block_size)
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
         elif self.device.type == "cuda":
@@ -319,10 +321,9 @@ class HybridEngine:
                 raise RuntimeError(f"rank {self.rank}: the KV cache budget ({budget / 2**30:.2f} GiB at "
                                    f"gpu_memory_utilization={c.gpu_memory_utilization}) does not hold one sequence of "
                                    f"max_model_len={c.max_model_len}; raise gpu_memory_utilization or lower max_model_len")
-            # Running sequences never hold more than this (forks share blocks; a preempted one frees its own).
-            num_blocks = min(budget // per_block, c.max_num_seqs * math.ceil(c.max_model_len / c.block_size))
+            num_blocks = min(budget // per_block, most)
         else:
-            num_blocks = c.max_num_seqs * math.ceil(c.max_model_len / c.block_size)
+            num_blocks = most
         return KVCache(num_blocks=num_blocks, dtype=c.dtype, device=self.device, **shape)
 
     def _validate(self, prompts, params: list[SamplingParams]) -> None:

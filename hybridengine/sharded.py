@@ -295,7 +295,7 @@ class ShardedBuffer:
         self._expect("training", "switch_to_generation")
         self.gen.wait_released()  # a deferred release of the last switch back must be done first
         works, mapped = [], []  # mapped: (unit, byte offsets this call mapped for it)
-        for batch in self._switch_batches():
+        for batch in switch_batches(self.layout, self.switch_batch_bytes if self._coalesce else 0):
             for u in batch:
                 try:
                     offsets = self.gen.map_unit(u)  # host-side; the previous batch's all-gathers are in flight
@@ -316,9 +316,6 @@ class ShardedBuffer:
         for w in works:
             w.wait()
         self.state = "generation"
-
-    def _switch_batches(self) -> list[list[int]]:
-        return switch_batches(self.layout, self.switch_batch_bytes if self._coalesce else 0)
 
     def _gather_slices(self, batch: list[int]):
         """Async all-gather of the listed units' slices in G (one NCCL group call when coalescing)."""
