@@ -68,13 +68,15 @@ class EngineConfig:
     cuda_graphs: bool = True
     lazy_cuda_graphs: bool = False
     """Capture each decode batch bucket's CUDA graph at its first decode step instead of all buckets
-    at rollout entry (~0.9 s per rollout on an H200 for max_num_seqs=128-256): a rollout whose batch
-    never shrinks captures one graph. Opt-in until measured on the GPU."""
+    at rollout entry (rollout setup, graphs and KV cache, 0.84-0.90 s per rollout in `python -m bench run
+    --suite ppo_e2e --gpus 2`, 2 x H200, run 20261130T143800Z-1abc): a rollout whose batch never shrinks
+    captures one graph. Opt-in until measured on the GPU."""
     fused_training: bool = True
     """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
-    `hybridengine.fused` instead of eager torch (fewer kernels, fewer saved tensors). On 2 x H200
-    (2026-11-30, 4 x 1024 tokens per GPU) it made the step 8-10% faster and the 7B peak 8% lower with
-    checkpointing off. Ignored on CPU (eager torch there)."""
+    `hybridengine.fused` instead of eager torch (fewer kernels, fewer saved tensors). In `python -m bench
+    run --suite train_step --gpus 2` (2 x H200, run 20261130T142923Z-af59, both settings in the run) it
+    made the step 4-10% faster (1.5B and 7B, checkpointing on and off) and the 7B peak with
+    checkpointing off 8% lower. Ignored on CPU (eager torch there)."""
     split_master: bool = False
     """bf16: keep AdamW's fp32 master weights as the bf16 weights (their high half, rounded to nearest,
     ties away from zero) plus an int16 low half: the same fp32 master, exactly, in 2 bytes per parameter

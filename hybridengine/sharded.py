@@ -36,7 +36,8 @@ from .vmm import VmmRange
 
 SWITCH_BATCH_BYTES = (256 << 20, 2 << 30)
 """Bounds of the switch's automatic batch (received bytes per NCCL group call): a quarter of what the
-switch receives, so that three batches map under an all-gather. On 2 x H200 (2026-11-30) 7B took
+switch receives, so that three batches map under an all-gather. In the switch suite's batch sweep
+(2 x H200, run 20261130T142229Z-1d2c, rows switch_batch_sweep) 7B took
 29.0 ms at 2 GiB against 30.2-30.9 ms at 0.25-1 GiB, 8 GiB or one all-gather per unit, and 1.5B
 7.3 ms at 256 MiB against 8.3-9.4 ms at 1-8 GiB (one batch after the first: no mapping overlapped)."""
 
