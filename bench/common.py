@@ -289,11 +289,18 @@ def record_generate(ctx: Ctx, provider: str, model: str, times: list[float], pm:
             f"{ctx.world * w.batch * w.new_tokens / quantiles(times)[1]:,.0f} tok/s, peak {pm.torch_gib:.1f} GiB")
 
 
-def record_train(ctx: Ctx, provider: str, model: str, times: list[float], pm: PeakMemory, **case) -> None:
+def record_train(ctx: Ctx, provider: str, model: str, times: list[float], pm: PeakMemory,
+                 buffer_gib: float | None = None, **case) -> None:
+    """`buffer_gib`: memory a provider holds outside torch's allocator (hybridengine's parameter buffer is
+    driver-mapped pages), recorded as a third peak row, source "torch+buffer" = the torch peak plus it,
+    the figure to set against a peer's torch peak."""
     w = ctx.work
     case = dict(batch_per_gpu=w.train_batch, seq=w.train_seq, **case)
     ctx.rec.add("train_step", provider, model, case, "seconds", times)
     ctx.rec.add("train_step", provider, model, case, "tokens_per_s",
                 [ctx.world * w.train_batch * w.train_seq / t for t in times])
     ctx.record_peak(pm, "train_step", provider, model, case)
+    if buffer_gib is not None and ctx.cuda:
+        ctx.rec.add("train_step", provider, model, {**case, "source": "torch+buffer"}, "peak_GiB",
+                    pm.torch_gib + buffer_gib)
     ctx.log(f"  train_step {provider} {model}: {quantiles(times)[1]:.3f} s, peak {pm.torch_gib:.1f} GiB")

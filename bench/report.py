@@ -225,14 +225,14 @@ def _label(r: dict) -> str:
     return r["provider"] + (f" ({', '.join(extra)})" if extra else "")
 
 
-def _peaks(rows: list[dict], r: dict) -> tuple[str, str]:
+def _peaks(rows: list[dict], r: dict, sources=("torch", "nvml")) -> tuple[str, ...]:
     out = []
-    for source in ("torch", "nvml"):
+    for source in sources:
         p = next((x for x in rows if x["metric"] == "peak_GiB" and x["provider"] == r["provider"]
                   and x["model"] == r["model"] and x["run_id"] == r["run_id"] and x["case"].get("source") == source
                   and same_variant(x, r, ("cache", "timer_sync"))), None)
         out.append(fmt(p and p["value"], 1))
-    return out[0], out[1]
+    return tuple(out)
 
 
 def size(nbytes: int) -> str:
@@ -557,7 +557,8 @@ def train_section(rows: list[dict]) -> str:
         floor = Floors(rows, r["run_id"]).train_s(r["case"])
         tok = twin(rows, r, "tokens_per_s")
         p, _ = _train_peer(rows, r, PEER["train_step"])
-        torch_peak, nvml_peak = _peaks(sel, r)
+        torch_peak, nvml_peak, buffer_peak = _peaks(sel, r, ("torch", "nvml", "torch+buffer"))
+        torch_peak += "" if buffer_peak == "–" else f" (+buffer {buffer_peak})"
         label = r["provider"] + (f" ({r['case']['layout']}{', fused_training' if r['case'].get('fused_training') else ''}"
                                  f"{', split_master' if r['case'].get('split_master') else ''})"
                                  if "layout" in r["case"] else "")
@@ -567,7 +568,9 @@ def train_section(rows: list[dict]) -> str:
                      torch_peak, nvml_peak])
     return ("## Train step (per GPU: 4 x 1024 tokens, fwd + bwd + AdamW)\n\nActivation checkpointing: off keeps every "
             "layer's activations; on recomputes each layer in backward. Speed vs the peer compares rows with the same "
-            "setting.\n\n"
+            "setting. Peak torch: the allocator's peak; hybridengine's parameter buffer is driver-mapped pages outside "
+            "the allocator, so its rows also give torch + the mapped buffer (\"+buffer\"), the figure to set against "
+            "a peer's torch peak (the peers' parameters live in the allocator).\n\n"
             + table(["model", "provider", "act. ckpt", "s (p20–p80)", "tok/s", "floor s", "of floor",
                      f"speed vs {PEER['train_step']}", "peak GiB torch", "peak GiB nvml"], body) + str(notes))
 
@@ -997,7 +1000,7 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
         setting = "on" if _ckpt(ours) else "off"
         fused = f", fused_training {'on' if ours['case'].get('fused_training') else 'off'}" \
             + (", split_master" if ours["case"].get("split_master") else "")
-        mem = twin(rows, ours, "peak_GiB", source="torch")
+        mem = twin(rows, ours, "peak_GiB", source="torch+buffer") or twin(rows, ours, "peak_GiB", source="torch")
         for provider, label in (("fsdp2", "FSDP2"), ("deepspeed_zero3", "DeepSpeed ZeRO-3")):
             p, _ = _train_peer(rows, ours, provider, any_setting=True)
             if p is not None:
@@ -1005,7 +1008,7 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          f"activation checkpointing: ours {setting}{fused}, peer {'on' if _ckpt(p) else 'off'}")
                 p_mem = twin(rows, p, "peak_GiB", source="torch")
                 body.append([f"Train step speed vs {label}, {model}, per GPU {ours['case'].get('batch_per_gpu')} x "
-                             f"{ours['case'].get('seq')} tokens, {sides} (peak GiB, torch)",
+                             f"{ours['case'].get('seq')} tokens, {sides} (peak GiB, torch; ours + the mapped buffer where measured)",
                              f"{dur(ours['value'])} ({sig(mem and mem['value'])} GiB)",
                              f"{dur(p['value'])} ({sig(p_mem and p_mem['value'])} GiB)",
                              f"{ratio(p['value'], ours['value'])}x", ">= 1.1x" if provider == "fsdp2" else "–",

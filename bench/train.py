@@ -34,7 +34,11 @@ def train_step(ctx: Ctx) -> None:
                                    activation_checkpointing=checkpointing)
                 with ctx.peak() as pm:
                     times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5, desc=desc)
-                record_train(ctx, "hybridengine", model, times, pm, layout=layout,
+                # Training maps this rank's shard of the buffer (pages outside torch's allocator); max over ranks.
+                buffer = torch.tensor(float(engine.sharded.gen.mapped_bytes()) / 2**30, device=ctx.device)
+                if ctx.world > 1:
+                    torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX)
+                record_train(ctx, "hybridengine", model, times, pm, buffer_gib=float(buffer), layout=layout,
                              activation_checkpointing=checkpointing, fused_training=trainer.fused, **variant)
 
         for name, lengths in layouts.items():

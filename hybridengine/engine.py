@@ -81,6 +81,11 @@ class EngineConfig:
     """bf16: keep AdamW's fp32 master weights as the bf16 weights (their high half, rounded to nearest,
     ties away from zero) plus an int16 low half: the same fp32 master, exactly, in 2 bytes per parameter
     instead of 4 (a 7B model on 2 GPUs: 7.1 GiB less per GPU). Opt-in until measured on the GPU."""
+    keep_grads: bool = False
+    """Keep the fp32 gradient shards (4 bytes a parameter on each rank's shard) after `ppo_step` /
+    `value_step`, for inspection; by default each step allocates them as its reduce-scatters arrive and
+    frees them after the optimizer update (FSDP's `zero_grad(set_to_none=True)`), so the forward's
+    activations (checkpointing off) never stack on them."""
     seed: int = 0
     """Seed of random initialisation (when the source is a config) and of unseeded sampling."""
 
@@ -209,7 +214,7 @@ class HybridEngine:
         grads = self._training._grads if self._training is not None else None
         tensors = [] if opt is None else opt.exp_avg + opt.exp_avg_sq + (opt.master or []) + (opt.master_lo or [])
         rep["optimizer"] = sum(t.numel() * t.element_size() for t in tensors) / gib  # 0 before the first step
-        rep["gradients"] = sum(g.numel() * g.element_size() for g in grads or []) / gib
+        rep["gradients"] = sum(g.numel() * g.element_size() for g in grads or [] if g is not None) / gib
         rep["kv_cache"] = self._runner.kv.nbytes() / gib if self._runner is not None else 0.0
         if self.device.type == "cuda":
             rep["torch_allocated"] = torch.cuda.memory_allocated(self.device) / gib
@@ -234,7 +239,7 @@ class HybridEngine:
         if self._training is None:
             self._training = Trainer(self.sharded, self.model_config, optimizer_config=cfg,
                                      fused=self.config.fused_training and self.device.type == "cuda",
-                                     split_master=self.config.split_master)
+                                     split_master=self.config.split_master, keep_grads=self.config.keep_grads)
         return self._training
 
     def log_probs(self, batch, *, temperature: float = 1.0, return_entropy: bool = False):

@@ -327,9 +327,10 @@ class Trainer:
     """Forward/backward and the optimizer of one rank, over a ShardedBuffer."""
 
     def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None,
-                 fused: bool = False, split_master: bool = False):
+                 fused: bool = False, split_master: bool = False, keep_grads: bool = False):
         self.fused = fused  # EngineConfig.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels
         self.split_master = split_master  # EngineConfig.split_master: bf16 weights + int16 low halves
+        self.keep_grads = keep_grads  # EngineConfig.keep_grads: the grad shards outlive the optimizer step
         self.sharded, self.config = sharded, config
         self.layout = sharded.layout
         self.device = sharded.device
@@ -345,19 +346,23 @@ class Trainer:
         # Where the replicated copies sit in each shard (few elements: norms and biases), for the grad norm.
         self._replicated_index = [r.nonzero().squeeze(1) for r in self._replicated]
         self._opt_config = optimizer_config or PPOConfig()
-        # Gradients (4 B/param) and AdamW state (12 B/param with fp32 master weights) appear at the first
-        # optimizer step: an engine that only scores (a reference model's log_probs) never holds them.
-        self._grads: list[torch.Tensor] | None = None
+        # AdamW state (12 B/param with fp32 master weights) appears at the first optimizer step: an engine
+        # that only scores (a reference model's log_probs) never holds it. Gradient shards (4 B/param) live
+        # from a unit's first reduce-scatter of a step to the end of its optimizer step (unless keep_grads):
+        # with activations kept, the forward's peak then holds no gradients, as FSDP with set_to_none.
+        self._grads: list[torch.Tensor | None] | None = None
         self._fresh: set[int] = set()  # units whose grad shard this step has not written yet
         self._pending = None  # (work, input, out or None, unit) of the reduce-scatter in flight
         self._optimizer: FlatAdamW | None = None
 
     @property
     def grads(self) -> list[torch.Tensor]:
-        """fp32 gradient shard per unit (allocated on first use)."""
+        """fp32 gradient shard per unit: the last step's with keep_grads, else zeros outside a step."""
         if self._grads is None:
-            self._grads = [torch.zeros(u.shard_numel, dtype=torch.float32, device=self.device)
-                           for u in self.layout.units]
+            self._grads = [None] * len(self.layout.units)
+        for u, g in enumerate(self._grads):
+            if g is None:
+                self._grads[u] = torch.zeros(self.layout.units[u].shard_numel, dtype=torch.float32, device=self.device)
         return self._grads
 
     @property
@@ -583,8 +588,11 @@ class Trainer:
         # The last rollout's generation pages go back to the driver on a host thread (switch_to_training);
         # the step's allocations must not race that release for memory. Usually long done by now.
         self.sharded.wait_released()
-        # No zeroing pass: a unit's first reduce-scatter of the step writes its shard, later ones add.
-        self._fresh = set(range(len(self.grads)))
+        # No zeroing pass: a unit's first reduce-scatter of the step writes its shard (allocated then, kept
+        # ones reused), later ones add.
+        self._fresh = set(range(len(self.layout.units)))
+        if self._grads is None:
+            self._grads = [None] * len(self.layout.units)
         groups = _plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group)
         # The loss is aggregated over the whole rank batch: weight each micro-batch by its share.
         mask_counts = [float(m.sum()) for m in batch.response_mask]
@@ -599,8 +607,10 @@ class Trainer:
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + w * v
         for u in self._fresh:  # a unit no micro-batch reduced (none today): zero gradient
-            self.grads[u].zero_()
+            self._grads[u] = torch.zeros(self.layout.units[u].shard_numel, dtype=torch.float32, device=self.device)
         grad_norm = self._clip_and_step(cfg)
+        if not self.keep_grads:
+            self._grads = None  # back to the allocator's cache: the next forward's activations reuse it
         opt = self.optimizer
         totals.update(grad_norm=grad_norm, lr=opt.lr_at(opt.num_steps), step=opt.num_steps,
                       micro_batches=len(groups), step_s=time.perf_counter() - t0)
@@ -702,7 +712,9 @@ class Trainer:
                 if g is not None:
                     self.layout.natural_view(natural, name).copy_(g)
         if u in self._fresh:  # the step's first gradient of this unit: straight into the shard
-            work = self.sharded.reduce_scatter_grad(u, natural, self.grads[u], async_op=True)
+            if self._grads[u] is None:
+                self._grads[u] = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
+            work = self.sharded.reduce_scatter_grad(u, natural, self._grads[u], async_op=True)
             self._fresh.discard(u)
             self._pending = (work, natural, None, u)
             return
@@ -719,7 +731,7 @@ class Trainer:
         if work is not None:
             work.wait()
         if out is not None:
-            self.grads[u] += out
+            self._grads[u] += out
 
     def _clip_and_step(self, cfg: PPOConfig) -> float:
         # Replicated parameters have one copy per TP slice, each in some rank's shard: count 1/tg of each.
