@@ -225,14 +225,14 @@ def _label(r: dict) -> str:
     return r["provider"] + (f" ({', '.join(extra)})" if extra else "")
 
 
-def _peaks(rows: list[dict], r: dict, sources=("torch", "nvml")) -> tuple[str, ...]:
+def _peaks(rows: list[dict], r: dict) -> tuple[str, str]:
     out = []
-    for source in sources:
+    for source in ("torch", "nvml"):
         p = next((x for x in rows if x["metric"] == "peak_GiB" and x["provider"] == r["provider"]
                   and x["model"] == r["model"] and x["run_id"] == r["run_id"] and x["case"].get("source") == source
                   and same_variant(x, r, ("cache", "timer_sync"))), None)
         out.append(fmt(p and p["value"], 1))
-    return tuple(out)
+    return out[0], out[1]
 
 
 def size(nbytes: int) -> str:
@@ -554,10 +554,16 @@ def train_section(rows: list[dict]) -> str:
     for r in sorted(sel, key=lambda r: (r["model"] or "", r["provider"], _ckpt(r))):
         if r["metric"] != "seconds":
             continue
-        floor = Floors(rows, r["run_id"]).train_s(r["case"])
+        # 6 x params x tokens at the run's GEMM peak (MFU = floor / time); our rows take the count from a peer's.
+        params = r["case"].get("params") or next((x["case"]["params"] for x in rows if x["bench"] == "train_step"
+                                                  and x["model"] == r["model"] and "params" in x["case"]), None)
+        floor = Floors(rows, r["run_id"]).train_s({**r["case"], "params": params} if params else r["case"])
         tok = twin(rows, r, "tokens_per_s")
         p, _ = _train_peer(rows, r, PEER["train_step"])
-        torch_peak, nvml_peak, buffer_peak = _peaks(sel, r, ("torch", "nvml", "torch+buffer"))
+        # This row's own setting (checkpointing, fused_training, split_master): its case plus the source.
+        torch_peak, nvml_peak, buffer_peak = (fmt(p and p["value"], 1) for p in (
+            twin(sel, r, "peak_GiB", source="torch"), twin(sel, r, "peak_GiB", source="nvml", scope="device_used"),
+            twin(sel, r, "peak_GiB", source="torch+buffer")))
         torch_peak += "" if buffer_peak == "–" else f" (+buffer {buffer_peak})"
         label = r["provider"] + (f" ({r['case']['layout']}{', fused_training' if r['case'].get('fused_training') else ''}"
                                  f"{', split_master' if r['case'].get('split_master') else ''})"
@@ -571,7 +577,8 @@ def train_section(rows: list[dict]) -> str:
             "setting. Peak torch: the allocator's peak; hybridengine's parameter buffer is driver-mapped pages outside "
             "the allocator, so its rows also give torch + the mapped buffer (\"+buffer\"), the figure to set against "
             "a peer's torch peak (the peers' parameters live in the allocator).\n\n"
-            + table(["model", "provider", "act. ckpt", "s (p20–p80)", "tok/s", "floor s", "of floor",
+            + table(["model", "provider", "act. ckpt", "s (p20–p80)", "tok/s", "floor s (6 N tokens at GEMM peak)",
+                     "MFU",
                      f"speed vs {PEER['train_step']}", "peak GiB torch", "peak GiB nvml"], body) + str(notes))
 
 

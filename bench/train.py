@@ -28,7 +28,7 @@ def train_step(ctx: Ctx) -> None:
         layouts = {"dense": [w.train_seq] * w.train_batch,
                    "packed": [tokens // 8, tokens * 3 // 8, tokens // 4, tokens // 4]}
 
-        def run(batch, layout: str, desc: str, **variant) -> None:
+        def run(batch, layout: str, desc: str) -> None:
             for checkpointing in (False, True):
                 ppo = he.PPOConfig(micro_batch_tokens=tokens, lr=1e-6, max_grad_norm=1.0,
                                    activation_checkpointing=checkpointing)
@@ -38,8 +38,9 @@ def train_step(ctx: Ctx) -> None:
                 buffer = torch.tensor(float(engine.sharded.gen.mapped_bytes()) / 2**30, device=ctx.device)
                 if ctx.world > 1:
                     torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX)
+                split = {"split_master": True} if trainer.split_master else {}
                 record_train(ctx, "hybridengine", model, times, pm, buffer_gib=float(buffer), layout=layout,
-                             activation_checkpointing=checkpointing, fused_training=trainer.fused, **variant)
+                             activation_checkpointing=checkpointing, fused_training=trainer.fused, **split)
 
         for name, lengths in layouts.items():
             ids = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
@@ -53,10 +54,11 @@ def train_step(ctx: Ctx) -> None:
             trainer.fused = not trainer.fused
             run(batch, name, "train_step, other fused_training")
             trainer.fused = not trainer.fused
-            # ... and split AdamW masters (EngineConfig.split_master): a new optimizer over the same weights.
-            trainer._optimizer, trainer.split_master = None, True
+            # ... and the other EngineConfig.split_master setting (fp32 or split AdamW masters): a new
+            # optimizer over the same weights.
+            trainer._optimizer, trainer.split_master = None, not engine.config.split_master
             release_memory()
-            run(batch, name, "train_step split_master", split_master=True)
+            run(batch, name, "train_step, other split_master")
             trainer._optimizer, trainer.split_master = None, engine.config.split_master
             release_memory()
         del engine, trainer

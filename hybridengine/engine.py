@@ -77,10 +77,13 @@ class EngineConfig:
     run --suite train_step --gpus 2` (2 x H200, run 20261130T142923Z-af59, both settings in the run) it
     made the step 4-10% faster (1.5B and 7B, checkpointing on and off) and the 7B peak with
     checkpointing off 8% lower. Ignored on CPU (eager torch there)."""
-    split_master: bool = False
+    split_master: bool | None = None
     """bf16: keep AdamW's fp32 master weights as the bf16 weights (their high half, rounded to nearest,
     ties away from zero) plus an int16 low half: the same fp32 master, exactly, in 2 bytes per parameter
-    instead of 4 (a 7B model on 2 GPUs: 7.1 GiB less per GPU). Opt-in until measured on the GPU."""
+    instead of 4. None (default): on for bf16, off otherwise (resolved at construction). In `python -m
+    bench run --suite train_peers --gpus 2 --model qwen2-7b` (2 x H200, run 20261130T163518Z-cfff) it took
+    the 7B step's torch peak from 72.9 to 65.7 GiB (checkpointing off; on: 70.5 -> 63.3) at the same
+    speed (0.414 vs 0.416 s), which is what brings the step under FSDP2's peak."""
     keep_grads: bool = False
     """Keep the fp32 gradient shards (4 bytes a parameter on each rank's shard) after `ppo_step` /
     `value_step`, for inspection; by default each step allocates them as its reduce-scatters arrive and
@@ -102,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("EngineConfig.max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.split_master is None:
+            self.split_master = self.dtype == torch.bfloat16
         if self.split_master and self.dtype != torch.bfloat16:
             raise ValueError(f"EngineConfig.split_master=True needs dtype=torch.bfloat16 (the master's high half), "
                              f"got {self.dtype}")
