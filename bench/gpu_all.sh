@@ -15,17 +15,18 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
   export PYTHONPATH=$PWD
 fi
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpus.csv"
+# At most 8 files come back from $OUT: the setup's logs all go to setup.log.
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$out/setup.log"
 t0=$SECONDS
-MAX_JOBS=16 HYBRIDENGINE_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+MAX_JOBS=16 HYBRIDENGINE_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . >/tmp/build.log 2>&1 || { tail -40 /tmp/build.log | tee -a "$out/setup.log"; exit 1; }
 echo "build: $((SECONDS - t0)) s"
-python3 -m hybridengine info | tee "$out/info.txt"
-timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${PYTEST_FILES:-tests} -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest_gpu.log"
-tail -3 "$out/pytest_gpu.log"
-timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_sharded.py 2>&1 | tail -8 | tee "$out/dist_sharded.log"
+python3 -m hybridengine info | tee -a "$out/setup.log"
+timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${PYTEST_FILES:-tests} -p no:cacheprovider 2>&1 | tail -40 > /tmp/pytest_gpu.log
+tee -a "$out/setup.log" < /tmp/pytest_gpu.log | tail -3
+timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_sharded.py 2>&1 | tail -8 | tee -a "$out/setup.log"
 if [ -n "${PROFILE_SWITCH:-}" ]; then  # PROFILE_SWITCH=qwen2-7b: one profiled switch (traces stay on the device)
   timeout 240 torchrun --standalone --nproc-per-node 2 -m bench.profile_switch --model "$PROFILE_SWITCH" \
-    --out /tmp/profile_switch 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*" | tail -8 | tee "$out/profile_switch.log"
+    --out /tmp/profile_switch 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*" | tail -8 | tee -a "$out/setup.log"
   cp /tmp/profile_switch/profile_switch.json "$out/" 2>/dev/null
 fi
 for suite in "$@"; do

@@ -62,10 +62,19 @@ def switch(ctx: Ctx) -> None:
             for _ in range(2):  # warm-up: NCCL channels, first mappings
                 buf.switch_to_generation()
                 buf.switch_to_training()
-            to_gen, to_train, released = [], [], []
+            to_gen, to_train, released, host, driver = [], [], [], [], []
+            vmm = buf.gen.vmm
             with ctx.peak() as pm:
                 for _ in range(ctx.reps(10)):
+                    # Beside the GPU time (events): the host's wall time of the call up to its end event,
+                    # and the host time in the driver's page calls (create + map + set_access) inside it.
+                    if vmm is not None:
+                        vmm.timings(reset=True)
+                    t0 = time.perf_counter()
                     to_gen.append(ctx.timed(buf.switch_to_generation))
+                    host.append(time.perf_counter() - t0)
+                    if vmm is not None:
+                        driver.append(sum(t for k, (t, _) in vmm.timings().items() if k in ("create", "map", "set_access")))
                     to_train.append(ctx.timed(buf.switch_to_training))
                     # The pages go back to the driver on a host thread after the call returns; in a
                     # training loop that overlaps the next phase. Waited outside the timed calls, and
@@ -83,6 +92,12 @@ def switch(ctx: Ctx) -> None:
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train"}, "seconds", to_train)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train", "until": "pages released"},
                         "seconds", released)
+            ctx.rec.add("switch_detail", "hybridengine", model, {**case, "direction": "train_to_gen",
+                                                                 "what": "host wall incl. barrier"}, "seconds", host)
+            if driver:
+                ctx.rec.add("switch_detail", "hybridengine", model, {**case, "direction": "train_to_gen",
+                                                                     "what": "driver page calls (rank 0 host)"},
+                            "seconds", driver)
             ctx.record_peak(pm, "switch", "hybridengine", model, {**case, "model_over_tg_GiB": gen_bytes / GiB})
             if recv_bytes:
                 ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "GB_per_s",
@@ -101,6 +116,9 @@ def switch(ctx: Ctx) -> None:
                     f"{recv_bytes / 1e9:.2f} GB received per rank, "
                     f"peak torch {pm.torch_gib:.2f} / nvml {pm.nvml_gib:.2f} GiB (model/tg {gen_bytes / GiB:.2f} GiB), "
                     f"mapped {before / GiB:.2f} -> {after / GiB:.2f} GiB after 100 trips")
+            if driver:
+                ctx.log(f"    train->gen per call (ms): GPU {' '.join(f'{t * 1e3:.1f}' for t in to_gen)}; "
+                        f"driver {' '.join(f'{t * 1e3:.1f}' for t in driver)}")
             if tp == 1:
                 _batch_sweep(ctx, buf, model, case)
             buf.close()
