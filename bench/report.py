@@ -276,8 +276,16 @@ def _phase(r: dict) -> str | None:
 def _switch_rows(rows: list[dict]) -> list[dict]:
     """hybridengine's train->gen rows of the latest switch run, by model and tg."""
     sel = latest(rows, "switch")
-    ours = (r for r in sel if r["provider"] == "hybridengine" and r["metric"] == "seconds" and _phase(r) == "gather")
+    ours = (r for r in sel if r["provider"] == "hybridengine" and r["metric"] == "seconds" and _phase(r) == "gather"
+            and "after_idle_s" not in r["case"])
     return sorted(ours, key=lambda r: (r["model"] or "", r["case"].get("tg", 0)))
+
+
+def _after_idle(own: list[dict], g: dict) -> dict | None:
+    """The run's train->gen row of g's model and tg timed after an idle gap (bench switch's IDLE_GAP_S)."""
+    return next((r for r in own if r["bench"] == "switch" and r["provider"] == "hybridengine" and r["model"] == g["model"]
+                 and r["metric"] == "seconds" and r["case"].get("tg") == g["case"].get("tg")
+                 and "after_idle_s" in r["case"]), None)
 
 
 def _gen_to_train(own: list[dict], model: str, tg) -> tuple[dict | None, dict | None]:
@@ -317,6 +325,7 @@ def switch_section(rows: list[dict]) -> str:
         mem = pick(own, bench="switch_memory", provider="hybridengine", model=model, case_tg=tg)
         nccl = pick(own, bench="switch", provider="nccl", model=model, metric="seconds", case_tg=tg)
         received = g["case"].get("received_GB")
+        idle = _after_idle(own, g)
         speeds = []
         for provider in ("deepspeed_zero3", "fsdp2"):
             p, _ = _switch_peer(rows, g, provider)
@@ -326,7 +335,9 @@ def switch_section(rows: list[dict]) -> str:
         body.append([model or "–", str(tg), dur_spread(g), dur_spread(back), dur_spread(released) if released else "–",
                      sig(received), sig(gbps and gbps["value"]),
                      dur_spread(nccl) if nccl or received != 0 else "no bytes move",
-                     ratio(g["value"], nccl and nccl["value"]), *speeds, peak, mapped, run])
+                     ratio(g["value"], nccl and nccl["value"]),
+                     "–" if idle is None else f"{dur_spread(idle)}, {ratio(idle['value'], nccl and nccl['value'])}",
+                     *speeds, peak, mapped, run])
     text = ("## Train -> generate switch\n\n"
             "hybridengine: `switch_to_generation` (train->gen) and `switch_to_training` (gen->train) of the whole "
             "model on 2 GPUs; at tg = 1 each rank receives the half it does not own, at tg = 2 no bytes move (a view "
@@ -337,10 +348,13 @@ def switch_section(rows: list[dict]) -> str:
             "sees none of the VMM-mapped buffer) next to model/tg. Mapped: GiB of the generation buffer mapped in "
             "training before -> after 100 more round trips. gen->train returns once the release is queued; the "
             "pages go back to the driver on a host thread after the GPU's queued work (\"pages released\": the "
-            "call plus that wait, timed on the host).\n\n"
+            "call plus that wait, timed on the host). After idle: train->gen when the last release ended half a "
+            "second earlier, as when a training step runs between the switches (the rows above switch back to back, "
+            "right after the release, when the driver's page calls are slower), and its ratio to NCCL.\n\n"
             + table(["model", "tg", "train->gen (p20–p80)", "gen->train (p20–p80)", "gen->train, pages released",
                      "GB received/rank", "GB/s received",
                      "NCCL all-gather, same bytes", f"hybridengine / NCCL (goal <= {GOAL['switch_vs_nccl']})",
+                     "train->gen after idle, / NCCL",
                      f"speed vs DeepSpeed ZeRO-3 gather (goal >= {GOAL['switch_vs_deepspeed']})", "speed vs FSDP2 unshard",
                      "peak NVML GiB (model/tg)", "mapped GiB", "run"], body) + str(notes))
     return text + "\n\n" + _switch_sweep_table(rows) + _switch_peers_table(rows)
@@ -915,6 +929,12 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          f"per rank, {model} tg={tg}", dur(g["value"]), dur(nccl["value"]),
                          ratio(g["value"], nccl["value"]),
                          f"<= {GOAL['switch_vs_nccl']}", _where(g)])
+            idle = _after_idle(own, g)
+            if idle is not None:
+                body.append([f"Switch train->gen {idle['case']['after_idle_s']} s after the last release (a training "
+                             f"step between the switches) / NCCL all-gather of the same bytes, {model} tg={tg}",
+                             dur(idle["value"]), dur(nccl["value"]), ratio(idle["value"], nccl["value"]),
+                             f"<= {GOAL['switch_vs_nccl']}", _where(idle)])
         ds, _ = _switch_peer(rows, g, "deepspeed_zero3")
         if ds is not None:
             body.append([f"Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, {model} tg={tg}", dur(g["value"]),
@@ -1028,13 +1048,14 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          "tokens (peers only; no hybridengine train-step rows): FSDP2 speed vs DeepSpeed ZeRO-3",
                          f"FSDP2 {dur(fsdp['value'])}", f"ZeRO-3 {dur(ds['value'])}",
                          f"{ratio(ds['value'], fsdp['value'])}x", "–", _where(fsdp, ds)])
-    for r in (r for r in _e2e_steps(rows) if not r["case"].get("lazy_cuda_graphs")):
+    for r in sorted(_e2e_steps(rows), key=lambda r: (r["model"] or "", not r["case"].get("lazy_cuda_graphs"))):
         if r["provider"] != "hybridengine":
             continue
         ds, _ = peer(rows, r["run_id"], bench="ppo_e2e", provider="deepspeed_zero3", model=r["model"], metric="seconds")
         c = r["case"]
+        graphs = "lazy CUDA graphs" if c.get("lazy_cuda_graphs") else "CUDA graphs captured at rollout entry"
         work = (f"{r['model']}, per GPU {c.get('prompts_per_gpu')} prompts x n={c.get('samples')} x "
-                f"{c.get('new_tokens')} new tokens")
+                f"{c.get('new_tokens')} new tokens, {graphs}")
         if ds is not None:
             body.append([f"Whole GRPO step speed vs a DeepSpeed ZeRO-3 loop, {work}", dur(r["value"]), dur(ds["value"]),
                          f"{ratio(ds['value'], r['value'])}x", f">= {GOAL['e2e_vs_deepspeed']}x", _where(r, ds)])

@@ -39,6 +39,10 @@ def _nccl_floor(ctx: Ctx, numel_out: int, dtype, desc: str) -> list[float]:
     return times
 
 
+IDLE_GAP_S = 0.5
+"""Idle time before the `after_idle_s` train->gen rows (a training step is longer than that)."""
+
+
 def switch(ctx: Ctx) -> None:
     from hybridengine.sharded import ShardedBuffer
 
@@ -87,7 +91,24 @@ def switch(ctx: Ctx) -> None:
                     buf.switch_to_training()
                     buf.wait_released()
                     released.append(time.perf_counter() - t0)
+                # The same train->gen after the pages went back half a second earlier, as in an RL loop where a
+                # training step runs between the two switches: back to back (above) the driver's page calls
+                # take ~2-4x longer right after a release (per-call log of run 20261130T164536Z-71bb).
+                after_gap, gap_driver = [], []
+                for _ in range(ctx.reps(10)):
+                    time.sleep(IDLE_GAP_S)
+                    if vmm is not None:
+                        vmm.timings(reset=True)
+                    after_gap.append(ctx.timed(buf.switch_to_generation))
+                    if vmm is not None:
+                        gap_driver.append(sum(t for k, (t, _) in vmm.timings().items()
+                                              if k in ("create", "map", "set_access")))
+                    buf.switch_to_training()
+                    buf.wait_released()
             to_gen, to_train, released = ctx.slowest(to_gen), ctx.slowest(to_train), ctx.slowest(released)
+            after_gap = ctx.slowest(after_gap)
+            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen",
+                                                           "after_idle_s": IDLE_GAP_S}, "seconds", after_gap)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "seconds", to_gen)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train"}, "seconds", to_train)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train", "until": "pages released"},
@@ -119,6 +140,9 @@ def switch(ctx: Ctx) -> None:
             if driver:
                 ctx.log(f"    train->gen per call (ms): GPU {' '.join(f'{t * 1e3:.1f}' for t in to_gen)}; "
                         f"driver {' '.join(f'{t * 1e3:.1f}' for t in driver)}")
+                ctx.log(f"    after {IDLE_GAP_S} s idle: train->gen {quantiles(after_gap)[1] * 1e3:.2f} ms; per call GPU "
+                        f"{' '.join(f'{t * 1e3:.1f}' for t in after_gap)}; driver "
+                        f"{' '.join(f'{t * 1e3:.1f}' for t in gap_driver)}")
             if tp == 1:
                 _batch_sweep(ctx, buf, model, case)
             buf.close()

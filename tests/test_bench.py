@@ -101,6 +101,8 @@ def synthetic_rows(path: Path) -> None:
     he = {"tg": 1, "dtype": "bf16", "gen_GB": 15.2, "received_GB": 7.6}
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "train_to_gen"}, "seconds", [0.0315])
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "gen_to_train"}, "seconds", [0.007])
+    rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "train_to_gen", "after_idle_s": 0.5}, "seconds",
+            [0.0275])
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "model_over_tg_GiB": 14.2, "source": "nvml"}, "peak_GiB", 16.3)
     rec.add("switch_memory", "hybridengine", "qwen2-7b", {**he, "before_GiB": 7.1}, "peak_GiB", 7.1)
     rec.add("switch", "nccl", "qwen2-7b", {"tg": 1, "direction": "train_to_gen"}, "seconds", [0.025])
@@ -165,10 +167,11 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     assert "| layer_unpack | 1 GiB | 10 | hybridengine | 3,000 (3,000–3,000) | 0.73 | 0.75 |" in text
     assert "| qwen2-7b | deepspeed_gather_once (timer_sync=True) | 900 (900–900) | – | 32,997 | 0.03 | 0.50 |" in text
     assert "no Qwen2 container" in text
-    # Switch, all in r1: 31.5 ms / NCCL 25 ms = 1.26; ZeRO-3 47.25 ms / 31.5 = 1.50; FSDP2 52.5 / 31.5 = 1.67.
-    assert ("| qwen2-7b | 1 | 31.5 ms (31.5–31.5) | 7.00 ms (7.00–7.00) | – | 7.60 | – | 25.0 ms (25.0–25.0) | 1.26 | 1.50 | "
-            "1.67 | 16.3 (14.2) | 7.10 → 7.10 | r1 |") in text
-    assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | – | – | – |" in text
+    # Switch, all in r1: 31.5 ms / NCCL 25 ms = 1.26; after idle 27.5 / 25 = 1.10; ZeRO-3 47.25 ms / 31.5 = 1.50;
+    # FSDP2 52.5 / 31.5 = 1.67.
+    assert ("| qwen2-7b | 1 | 31.5 ms (31.5–31.5) | 7.00 ms (7.00–7.00) | – | 7.60 | – | 25.0 ms (25.0–25.0) | 1.26 | "
+            "27.5 ms (27.5–27.5), 1.10 | 1.50 | 1.67 | 16.3 (14.2) | 7.10 → 7.10 | r1 |") in text
+    assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | – | – | – | – |" in text
     # Unit gather: 225 / 250 GB/s = 0.90; FSDP2 2.1 ms / 1.05 ms = 2.00.
     assert "| qwen2-7b | 470 | hybridengine tg=1 | 1.05 ms (1.05–1.05) | 225 | 0.90 | 2.00 | r1 |" in text
     # Generate: one GPU at 2,700 tok/s vs the peers' per-GPU rates of run r1 (2 GPUs), marked as another run.
@@ -191,6 +194,8 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     for line in ("| Switch train->gen time / NCCL all-gather of the same 7.60 GB per rank, qwen2-7b tg=1 | 31.5 ms | "
                  "25.0 ms | 1.26 | <= 1.15 | 2 x H200, r1 |",
                  "| Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, qwen2-7b tg=1 | 31.5 ms | 47.2 ms | 1.50x |",
+                 "| Switch train->gen 0.5 s after the last release (a training step between the switches) / NCCL "
+                 "all-gather of the same bytes, qwen2-7b tg=1 | 27.5 ms | 25.0 ms | 1.10 | <= 1.15 | 2 x H200, r1 |",
                  "| Segment copy GB/s / `copy_` GB/s, 64 MiB (layer_unpack; range over 1 table pattern) | 2,805 GB/s | "
                  "3,300 GB/s | 0.85 (0.85–0.85) | – | 2 x H200, r1 |",
                  "| Rollout tok/s per GPU / DeepSpeed gather-once, qwen2-7b, 64 prompts x 128 new tokens per GPU | "
