@@ -367,11 +367,13 @@ def _switch_sweep_table(rows: list[dict]) -> str:
         return ""
     body = [[r["model"], (str(r["case"].get("batch_MiB")) if r["case"].get("batch_MiB") else "one all-gather per unit")
              + ("*" if r["case"].get("default") else "")
-             + (f", pages {r['case']['pages']}" if "pages" in r["case"] else ""), dur_spread(r), r["run_id"]] for r in sorted(sel, key=lambda r: (r["model"], r["case"].get("batch_MiB", 0)))]
+             + (f", pages {r['case']['pages']}" if "pages" in r["case"] else ""),
+             f"after {r['case']['after_idle_s']} s idle" if "after_idle_s" in r["case"] else "back to back",
+             dur_spread(r), r["run_id"]] for r in sorted(sel, key=lambda r: (r["model"], r["case"].get("batch_MiB", 0)))]
     return ("### Switch by NCCL group size (tg = 1)\n\n`switch_batch_bytes`: received bytes gathered per NCCL group "
             "call (default: a quarter of the switch's bytes within 256 MiB-2 GiB, marked *); \"pages kept mapped\": `switch_to_training(release=False)` kept the generation "
             "pages between switches, so no mapping is left in the switch.\n\n"
-            + table(["model", "MiB per group call", "train->gen (p20–p80)", "run"], body) + "\n\n")
+            + table(["model", "MiB per group call", "timing", "train->gen (p20–p80)", "run"], body) + "\n\n")
 
 
 def _peer_bytes_note(rows: list[dict]) -> str:
@@ -940,6 +942,12 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
             body.append([f"Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, {model} tg={tg}", dur(g["value"]),
                          dur(ds["value"]), f"{ratio(ds['value'], g['value'])}x", f">= {GOAL['switch_vs_deepspeed']}x",
                          _where(g, ds)])
+            idle = _after_idle(own, g)
+            if idle is not None:
+                body.append([f"Switch speed vs DeepSpeed ZeRO-3 gather, train->gen {idle['case']['after_idle_s']} s after "
+                             f"the last release, {model} tg={tg}", dur(idle["value"]), dur(ds["value"]),
+                             f"{ratio(ds['value'], idle['value'])}x", f">= {GOAL['switch_vs_deepspeed']}x",
+                             _where(idle, ds)])
         back, released = _gen_to_train(own, model, tg)
         if g["case"].get("received_GB") == 0:
             body.append([f"Switch at tg={tg} (no bytes move), {model}: train->gen, gen->train", dur(g["value"]),

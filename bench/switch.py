@@ -158,7 +158,7 @@ def switch(ctx: Ctx) -> None:
 def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
     """train->gen at other NCCL group sizes (bytes received per group call; 0: one all-gather per unit),
     then at the default with the pages kept mapped between switches (switch_to_training(release=False)):
-    the switch is the all-gather alone."""
+    the switch is the all-gather alone. Each timed switch follows an idle gap of IDLE_GAP_S."""
     default = buf.switch_batch_bytes
     sizes = sorted({0, 256 << 20, 1 << 30, 2 << 30, 8 << 30, default})
     variants = [(batch, True) for batch in sizes] + [(default, False)]
@@ -166,6 +166,7 @@ def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
         buf.switch_batch_bytes = batch
         times = []
         for i in range(1 + ctx.reps(8)):  # the first switch warms up (and maps the pages to keep)
+            time.sleep(IDLE_GAP_S)  # as in an RL loop (see `switch`): the driver's state after a release settles
             t = ctx.timed(buf.switch_to_generation)
             buf.switch_to_training(release=release)
             buf.wait_released()
@@ -173,11 +174,11 @@ def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
                 times.append(t)
         times = ctx.slowest(times)
         if release:
-            row = {"batch_MiB": batch >> 20, "default": batch == default}
+            row = {"batch_MiB": batch >> 20, "default": batch == default, "after_idle_s": IDLE_GAP_S}
         else:
             buf.release_generation_pages()
             buf.wait_released()
-            row = {"batch_MiB": batch >> 20, "pages": "kept mapped"}
+            row = {"batch_MiB": batch >> 20, "pages": "kept mapped", "after_idle_s": IDLE_GAP_S}
         ctx.rec.add("switch_batch_sweep", "hybridengine", model, {**case, "direction": "train_to_gen", **row},
                     "seconds", times)
         ctx.log(f"  switch {model} batch {batch >> 20} MiB{'' if release else ', pages kept mapped'}: train->gen "
