@@ -32,7 +32,10 @@ def new_run_id() -> str:
 
 
 def commit() -> str:
-    """HEAD of the checkout (with `-dirty` when files differ), else $HE_COMMIT: the GPU machine's copy may lack .git."""
+    """$HE_COMMIT when set (the GPU machine's copy may lack .git, or carry a stale one: rows of 2026-11-30
+    named a commit older than the one that ran), else HEAD of the checkout (with `-dirty` when files differ)."""
+    if os.environ.get("HE_COMMIT"):
+        return os.environ["HE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
@@ -40,7 +43,7 @@ def commit() -> str:
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("HE_COMMIT", "unknown")
+        return "unknown"
 
 
 def _version(package: str) -> str | None:
