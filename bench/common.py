@@ -246,6 +246,18 @@ class PeakMemory:
         self.torch_gib, self.nvml_gib = peaks
 
 
+def nvml_used_gib(ctx: Ctx) -> float:
+    """The device's used memory now (NVML; max over ranks), after emptying torch's cache: the baseline a
+    region's NVML peak adds to (CUDA context, NCCL communicators, loaded kernels). 0 without CUDA."""
+    if not ctx.cuda:
+        return 0.0
+    import pynvml
+
+    release_memory()
+    torch.cuda.synchronize(ctx.device)
+    return ctx.slowest([pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(ctx.device)).used / GiB])[0]
+
+
 def _nvml_handle(device: torch.device):
     """The NVML handle of a CUDA device, matched by PCI bus id (NVML and CUDA orders can differ)."""
     import pynvml

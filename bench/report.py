@@ -321,7 +321,9 @@ def switch_section(rows: list[dict]) -> str:
         key = dict(bench="switch", provider="hybridengine", model=model, case_tg=tg)
         back, released = _gen_to_train(own, model, tg)
         gbps = pick(own, **key, metric="GB_per_s")
-        nvml = pick(own, **key, metric="peak_GiB", case_source="nvml")
+        nvml = next((r for r in own if matches(r, dict(**key, metric="peak_GiB", case_source="nvml"))
+                     and r["case"].get("scope") != "above_baseline"), None)
+        above = pick(own, **key, metric="peak_GiB", case_scope="above_baseline")
         mem = pick(own, bench="switch_memory", provider="hybridengine", model=model, case_tg=tg)
         nccl = pick(own, bench="switch", provider="nccl", model=model, metric="seconds", case_tg=tg)
         received = g["case"].get("received_GB")
@@ -331,6 +333,8 @@ def switch_section(rows: list[dict]) -> str:
             p, _ = _switch_peer(rows, g, provider)
             speeds.append("–" if p is None else ratio(p["value"], g["value"]) + notes.other_run(p, run))
         peak = "–" if nvml is None else f"{sig(nvml['value'])} ({sig(nvml['case'].get('model_over_tg_GiB'))})"
+        if above is not None:
+            peak += f", +{sig(above['value'])} over {sig(above['case'].get('baseline_GiB'))}"
         mapped = "–" if mem is None else f"{sig(mem['case'].get('before_GiB'))} → {sig(mem['value'])}"
         body.append([model or "–", str(tg), dur_spread(g), dur_spread(back), dur_spread(released) if released else "–",
                      sig(received), sig(gbps and gbps["value"]),
@@ -345,7 +349,8 @@ def switch_section(rows: list[dict]) -> str:
             "peer's gather of every parameter / hybridengine's train->gen, at tg = 1 (the peers have no tg = 2; they "
             f"receive {_peer_bytes_note(rows)} per rank, without hybridengine's 2 MiB shard padding). Peak NVML: the "
             "device's used memory during the timed switches (CUDA context and NCCL buffers included; torch's allocator "
-            "sees none of the VMM-mapped buffer) next to model/tg. Mapped: GiB of the generation buffer mapped in "
+            "sees none of the VMM-mapped buffer) next to model/tg, and (newer runs) how much it rose over the device's "
+            "use just before the buffer was created (context, NCCL communicator, kernels). Mapped: GiB of the generation buffer mapped in "
             "training before -> after 100 more round trips. gen->train returns once the release is queued; the "
             "pages go back to the driver on a host thread after the GPU's queued work (\"pages released\": the "
             "call plus that wait, timed on the host). After idle: train->gen when the last release ended half a "

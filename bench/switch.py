@@ -13,7 +13,7 @@ import torch
 
 from hybridengine.sharded import _all_gather
 
-from .common import GiB, Ctx, quantiles
+from .common import GiB, Ctx, nvml_used_gib, quantiles
 
 
 def _specs(model: str):
@@ -54,6 +54,7 @@ def switch(ctx: Ctx) -> None:
         specs, _ = _specs(model)
         for tp in [d for d in (1, 2, 4, 8) if ctx.world % d == 0]:
             case = dict(tg=tp, dtype="bf16")
+            baseline = nvml_used_gib(ctx)  # before the buffer exists (NCCL is up: the all_gather bench ran)
             with ctx.peak():
                 buf = ShardedBuffer(specs, dtype=dtype, device=ctx.device, tp_size=tp)
                 for s in buf.shard_views():
@@ -120,6 +121,10 @@ def switch(ctx: Ctx) -> None:
                                                                      "what": "driver page calls (rank 0 host)"},
                             "seconds", driver)
             ctx.record_peak(pm, "switch", "hybridengine", model, {**case, "model_over_tg_GiB": gen_bytes / GiB})
+            if ctx.cuda:  # what the switch adds to the device: its NVML peak over the pre-buffer baseline
+                ctx.rec.add("switch", "hybridengine", model,
+                            {**case, "model_over_tg_GiB": gen_bytes / GiB, "source": "nvml", "scope": "above_baseline",
+                             "baseline_GiB": round(baseline, 3)}, "peak_GiB", pm.nvml_gib - baseline)
             if recv_bytes:
                 ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "GB_per_s",
                             [recv_bytes / t / 1e9 for t in to_gen])
@@ -135,7 +140,8 @@ def switch(ctx: Ctx) -> None:
             ctx.log(f"  switch {model} tg={tp}: train->gen {quantiles(to_gen)[1] * 1e3:.2f} ms, gen->train "
                     f"{quantiles(to_train)[1] * 1e3:.3f} ms (pages released after {quantiles(released)[1] * 1e3:.2f} ms), "
                     f"{recv_bytes / 1e9:.2f} GB received per rank, "
-                    f"peak torch {pm.torch_gib:.2f} / nvml {pm.nvml_gib:.2f} GiB (model/tg {gen_bytes / GiB:.2f} GiB), "
+                    f"peak torch {pm.torch_gib:.2f} / nvml {pm.nvml_gib:.2f} GiB ({pm.nvml_gib - baseline:.2f} over the "
+                    f"{baseline:.2f} GiB before the buffer; model/tg {gen_bytes / GiB:.2f} GiB), "
                     f"mapped {before / GiB:.2f} -> {after / GiB:.2f} GiB after 100 trips")
             if driver:
                 ctx.log(f"    train->gen per call (ms): GPU {' '.join(f'{t * 1e3:.1f}' for t in to_gen)}; "

@@ -104,6 +104,8 @@ def synthetic_rows(path: Path) -> None:
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "train_to_gen", "after_idle_s": 0.5}, "seconds",
             [0.0275])
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "model_over_tg_GiB": 14.2, "source": "nvml"}, "peak_GiB", 16.3)
+    rec.add("switch", "hybridengine", "qwen2-7b", {**he, "model_over_tg_GiB": 14.2, "source": "nvml",
+                                                    "scope": "above_baseline", "baseline_GiB": 1.4}, "peak_GiB", 14.9)
     rec.add("switch_memory", "hybridengine", "qwen2-7b", {**he, "before_GiB": 7.1}, "peak_GiB", 7.1)
     rec.add("switch", "nccl", "qwen2-7b", {"tg": 1, "direction": "train_to_gen"}, "seconds", [0.025])
     tg2 = {"tg": 2, "received_GB": 0.0}
@@ -170,7 +172,7 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     # Switch, all in r1: 31.5 ms / NCCL 25 ms = 1.26; after idle 27.5 / 25 = 1.10; ZeRO-3 47.25 ms / 31.5 = 1.50;
     # FSDP2 52.5 / 31.5 = 1.67.
     assert ("| qwen2-7b | 1 | 31.5 ms (31.5–31.5) | 7.00 ms (7.00–7.00) | – | 7.60 | – | 25.0 ms (25.0–25.0) | 1.26 | "
-            "27.5 ms (27.5–27.5), 1.10 | 1.50 | 1.67 | 16.3 (14.2) | 7.10 → 7.10 | r1 |") in text
+            "27.5 ms (27.5–27.5), 1.10 | 1.50 | 1.67 | 16.3 (14.2), +14.9 over 1.40 | 7.10 → 7.10 | r1 |") in text
     assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | – | – | – | – |" in text
     # Unit gather: 225 / 250 GB/s = 0.90; FSDP2 2.1 ms / 1.05 ms = 2.00.
     assert "| qwen2-7b | 470 | hybridengine tg=1 | 1.05 ms (1.05–1.05) | 225 | 0.90 | 2.00 | r1 |" in text
