@@ -39,6 +39,14 @@ def _nccl_floor(ctx: Ctx, numel_out: int, dtype, desc: str) -> list[float]:
     return times
 
 
+def _fill(buf) -> None:
+    """Random weights in every shard. A helper, not a loop in the bench: a loop variable left holding the
+    last shard view would keep a closed buffer's pages mapped into the next case (the tg = 2 case's
+    pre-buffer NVML baseline of run 20261130T171654Z-eab2 read 7.14 GiB high that way)."""
+    for shard in buf.shard_views():
+        shard.normal_()
+
+
 IDLE_GAP_S = 0.5
 """Idle time before the `after_idle_s` train->gen rows (a training step is longer than that)."""
 
@@ -57,8 +65,7 @@ def switch(ctx: Ctx) -> None:
             baseline = nvml_used_gib(ctx)  # before the buffer exists (NCCL is up: the all_gather bench ran)
             with ctx.peak():
                 buf = ShardedBuffer(specs, dtype=dtype, device=ctx.device, tp_size=tp)
-                for s in buf.shard_views():
-                    s.normal_()
+                _fill(buf)
             lay = buf.layout
             gen_bytes = lay.gen_numel * lay.element_size
             recv_bytes = gen_bytes * (lay.num_shards - 1) // lay.num_shards
@@ -206,8 +213,7 @@ def unit_gather(ctx: Ctx) -> None:
         unit_bytes = None
         for tp in [d for d in (1, 2) if ctx.world % d == 0]:
             buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp)
-            for s in buf.shard_views():
-                s.normal_()
+            _fill(buf)
             unit = buf.layout.units[0]
             unit_bytes = unit.numel * buf.layout.element_size
             times = ctx.measure(lambda: buf.gather_unit(0), warmup=3, repeats=20, desc=f"gather tg={tp}")
@@ -236,8 +242,7 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
     sub = [s for s in specs if s.unit in names]
     for tp in [d for d in (1, 2) if ctx.world % d == 0]:
         buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp)
-        for s in buf.shard_views():
-            s.normal_()
+        _fill(buf)
         n = len(buf.layout.units)
         unit_bytes = buf.layout.units[0].numel * buf.layout.element_size
 
