@@ -47,6 +47,19 @@ def _fill(buf) -> None:
         shard.normal_()
 
 
+def _timed_to_gen(ctx: Ctx, buf) -> tuple[float, float | None]:
+    """GPU seconds of one train->gen switch, and host seconds of the driver's page calls in it
+    (cuMemCreate + cuMemMap + cuMemSetAccess; None without the VMM buffer)."""
+    vmm = buf.gen.vmm
+    if vmm is not None:
+        vmm.timings(reset=True)
+    t = ctx.timed(buf.switch_to_generation)
+    if vmm is None:
+        return t, None
+    calls = vmm.timings()
+    return t, sum(calls[k][0] for k in ("create", "map", "set_access"))
+
+
 IDLE_GAP_S = 0.5
 """Idle time before the `after_idle_s` train->gen rows (a training step is longer than that)."""
 
@@ -75,18 +88,16 @@ def switch(ctx: Ctx) -> None:
                 buf.switch_to_generation()
                 buf.switch_to_training()
             to_gen, to_train, released, host, driver = [], [], [], [], []
-            vmm = buf.gen.vmm
             with ctx.peak() as pm:
                 for _ in range(ctx.reps(10)):
                     # Beside the GPU time (events): the host's wall time of the call up to its end event,
-                    # and the host time in the driver's page calls (create + map + set_access) inside it.
-                    if vmm is not None:
-                        vmm.timings(reset=True)
+                    # and the host time in the driver's page calls inside it.
                     t0 = time.perf_counter()
-                    to_gen.append(ctx.timed(buf.switch_to_generation))
+                    t, pages = _timed_to_gen(ctx, buf)
                     host.append(time.perf_counter() - t0)
-                    if vmm is not None:
-                        driver.append(sum(t for k, (t, _) in vmm.timings().items() if k in ("create", "map", "set_access")))
+                    to_gen.append(t)
+                    if pages is not None:
+                        driver.append(pages)
                     to_train.append(ctx.timed(buf.switch_to_training))
                     # The pages go back to the driver on a host thread after the call returns; in a
                     # training loop that overlaps the next phase. Waited outside the timed calls, and
@@ -105,12 +116,10 @@ def switch(ctx: Ctx) -> None:
                 after_gap, gap_driver = [], []
                 for _ in range(ctx.reps(10)):
                     time.sleep(IDLE_GAP_S)
-                    if vmm is not None:
-                        vmm.timings(reset=True)
-                    after_gap.append(ctx.timed(buf.switch_to_generation))
-                    if vmm is not None:
-                        gap_driver.append(sum(t for k, (t, _) in vmm.timings().items()
-                                              if k in ("create", "map", "set_access")))
+                    t, pages = _timed_to_gen(ctx, buf)
+                    after_gap.append(t)
+                    if pages is not None:
+                        gap_driver.append(pages)
                     buf.switch_to_training()
                     buf.wait_released()
             to_gen, to_train, released = ctx.slowest(to_gen), ctx.slowest(to_train), ctx.slowest(released)

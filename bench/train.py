@@ -35,11 +35,9 @@ def train_step(ctx: Ctx) -> None:
                 with ctx.peak() as pm:
                     times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=2, repeats=5, desc=desc)
                 # Training maps this rank's shard of the buffer (pages outside torch's allocator); max over ranks.
-                buffer = torch.tensor(float(engine.sharded.gen.mapped_bytes()) / 2**30, device=ctx.device)
-                if ctx.world > 1:
-                    torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX)
+                buffer_gib = ctx.slowest([engine.sharded.gen.mapped_bytes() / 2**30])[0]
                 split = {"split_master": True} if trainer.split_master else {}
-                record_train(ctx, "hybridengine", model, times, pm, buffer_gib=float(buffer), layout=layout,
+                record_train(ctx, "hybridengine", model, times, pm, buffer_gib=buffer_gib, layout=layout,
                              activation_checkpointing=checkpointing, fused_training=trainer.fused, **split)
 
         for name, lengths in layouts.items():

@@ -362,8 +362,12 @@ class Trainer:
             self._grads = [None] * len(self.layout.units)
         for u, g in enumerate(self._grads):
             if g is None:
-                self._grads[u] = torch.zeros(self.layout.units[u].shard_numel, dtype=torch.float32, device=self.device)
+                self._grads[u] = self._new_grad(u).zero_()
         return self._grads
+
+    def _new_grad(self, u: int) -> torch.Tensor:
+        """An uninitialised fp32 gradient shard of unit u."""
+        return torch.empty(self.layout.units[u].shard_numel, dtype=torch.float32, device=self.device)
 
     @property
     def optimizer(self):
@@ -607,7 +611,7 @@ class Trainer:
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + w * v
         for u in self._fresh:  # a unit no micro-batch reduced (none today): zero gradient
-            self._grads[u] = torch.zeros(self.layout.units[u].shard_numel, dtype=torch.float32, device=self.device)
+            self._grads[u] = self._new_grad(u).zero_()
         grad_norm = self._clip_and_step(cfg)
         if not self.keep_grads:
             self._grads = None  # back to the allocator's cache: the next forward's activations reuse it
@@ -713,7 +717,7 @@ class Trainer:
                     self.layout.natural_view(natural, name).copy_(g)
         if u in self._fresh:  # the step's first gradient of this unit: straight into the shard
             if self._grads[u] is None:
-                self._grads[u] = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
+                self._grads[u] = self._new_grad(u)
             work = self.sharded.reduce_scatter_grad(u, natural, self._grads[u], async_op=True)
             self._fresh.discard(u)
             self._pending = (work, natural, None, u)
