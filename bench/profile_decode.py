@@ -63,8 +63,10 @@ def ranges(kinds: list[bool]):
 
     targets = [(Scheduler, "schedule", lambda b: kinds.append(b.is_prefill)), (ModelRunner, "_stage_decode", None),
                (ModelRunner, "_upload", None), (ModelRunner, "_decode_forward", None), (ModelRunner, "_prefill", None),
-               (eng, "sample", None), (eng, "_to_host", None), (eng, "_append_tokens", None)]
-    names = ["schedule", "prepare_inputs", "prepare_inputs", "forward", "prefill", "sample", "d2h", "bookkeeping"]
+               (eng, "sample", None), (eng, "_launch", None), (eng._Sampled, "wait", None),
+               (eng, "_append", None), (eng, "_reserve", None)]
+    names = ["schedule", "prepare_inputs", "prepare_inputs", "forward", "prefill", "sample", "sample", "d2h",
+             "bookkeeping", "bookkeeping"]
     if torch.cuda.is_available():
         targets.append((torch.cuda.CUDAGraph, "replay", None))
         names.append("forward")
@@ -140,13 +142,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="see each kernel's host launch (slower steps)")
+    ap.add_argument("--sync", action="store_true", help="async_scheduling off: each step waits for the last one's tokens")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     cfg = he.model_config(args.model)
     engine = he.HybridEngine(cfg, he.EngineConfig(
         dtype=torch.bfloat16 if cuda else torch.float32, device=args.device, max_model_len=1024, max_num_seqs=128,
-        gpu_memory_utilization=0.85, cuda_graphs=not args.no_cuda_graphs))
+        gpu_memory_utilization=0.85, cuda_graphs=not args.no_cuda_graphs, async_scheduling=not args.sync))
     gen = torch.Generator().manual_seed(11 * 1000)  # bench.common.random_ids(seed=11) on rank 0
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=gen).tolist()
     params = he.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.new_tokens, seed=None)
@@ -175,7 +178,8 @@ def main(argv=None) -> dict:
         / (HBM_GBPS * 1e9) * 1e3
     result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
                   device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                  cuda_graphs=cuda and not args.no_cuda_graphs, unprofiled=plain, floor_ms=floor_ms,
+                  cuda_graphs=cuda and not args.no_cuda_graphs, async_scheduling=not args.sync, unprofiled=plain,
+                  floor_ms=floor_ms,
                   **analyse(trace, kinds))
     (args.out / "profile_decode.json").write_text(json.dumps(result, indent=1))
     print(f"{args.model} B={args.batch} on {result['device']}: unprofiled step {plain['step_ms']:.3f} ms "

@@ -23,7 +23,7 @@ from .model import CausalLM
 from .runner import KVCache, ModelRunner
 from .sampling import SamplingParams, sample
 from .tp import local_config, parallelize
-from .scheduler import BlockManager, Scheduler, Sequence
+from .scheduler import PLACEHOLDER, BlockManager, Scheduler, Sequence, Status
 
 
 def _hf_config_dict(source) -> dict | None:
@@ -72,6 +72,13 @@ class EngineConfig:
     -m bench run --suite ppo_e2e --gpus 2` (2 x H200, run 20261130T164536Z-71bb, both settings in the
     run) rollout setup went from 0.77 to 0.003 s per rollout for 7B (0.47 to 0.001 s for 1.5B) with
     generation as fast (1.87 vs 1.91 s): the GRPO step 9.15 -> 8.30 s (7B), 3.16 -> 2.72 s (1.5B)."""
+    async_scheduling: bool = True
+    """Schedule and launch each decode step before the previous step's tokens reach the host: the
+    step's input ids are copied from the previous step's sampled tokens on the device, and the host
+    reads step t's tokens and does its bookkeeping while step t + 1 runs, so the GPU does not idle
+    between steps (vLLM's async scheduling). A sequence that emits a stop token runs one void step
+    more (its row is dropped). Steps before a prefill or a preemption run synchronously. Outputs are
+    the same either way."""
     fused_training: bool = True
     """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
     `hybridengine.fused` instead of eager torch (fewer kernels, fewer saved tensors). In `python -m bench
@@ -391,29 +398,49 @@ class HybridEngine:
             from tqdm import tqdm
 
             bar = tqdm(total=total, desc="generate", unit="tok")
-        t0, steps, decode_s = time.perf_counter(), 0, 0.0
+        t0, steps, decode_s, ahead = time.perf_counter(), 0, 0.0, 0
+        tp_src = self._tp_src if tp_group is not None else 0
+        # Async decode: a decode step is launched before the previous one's tokens reach the host (its
+        # input ids are copied on the device); the host reads step t's tokens while step t + 1 runs.
+        inflight: _Sampled | None = None
         while not sched.done:
+            if inflight is not None and not sched.decodes_next():
+                _resolve(sched, inflight, finished)  # a prefill or a preemption comes next: sync first
+                inflight = None
+                continue
             ts, captured = time.perf_counter(), self._runner.graph_capture_s
             batch = sched.schedule()
-            logits = self._runner.step(batch)
+            prev = None if inflight is None else (inflight.next_ids, _rows(batch.seqs, inflight.seqs, self.device))
+            logits = self._runner.step(batch, prev)
             seqs = batch.seqs
             if batch.is_prefill:
                 logits, seqs = _fork_prefilled(sched, batch, logits, self.device)
             tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            tokens, logprobs = _to_host(tokens, logprobs, tp_group, self._tp_src if tp_group is not None else 0)
-            _append_tokens(sched, seqs, tokens, logprobs, finished)
+            step = _launch(seqs, tokens, logprobs, tp_group, tp_src)
+            if inflight is not None:
+                _resolve(sched, inflight, finished)
+                ahead += 1
+            _reserve(sched, step)
+            if batch.is_prefill or not self.config.async_scheduling:
+                _resolve(sched, step, finished)
+                inflight = None
+            else:
+                inflight = step
             if not batch.is_prefill:  # the whole iteration, host bookkeeping included (a lazy graph capture not)
                 decode_s += time.perf_counter() - ts - (self._runner.graph_capture_s - captured)
             steps += 1
             if bar is not None:
                 bar.update(len(seqs))
+        if inflight is not None:
+            _resolve(sched, inflight, finished)
         if bar is not None:
             bar.close()
         for seq in sorted(finished, key=lambda s: (s.request, s.sample)):
             outputs[seq.request].outputs.append(
                 CompletionOutput(seq.sample, seq.completion_ids, seq.logprobs, seq.finish_reason))
         self.stats.update(generate_s=time.perf_counter() - t0, steps=steps, decode_s=decode_s,
-                          preemptions=sched.num_preemptions, cuda_graph_capture_s=self._runner.graph_capture_s)
+                          preemptions=sched.num_preemptions, cuda_graph_capture_s=self._runner.graph_capture_s,
+                          async_steps=ahead)
         return outputs
 
 
@@ -433,26 +460,89 @@ def _fork_prefilled(sched: Scheduler, batch, logits: torch.Tensor, device: torch
     return logits, seqs
 
 
-def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor, tp_group, tp_src: int) -> tuple[list[int], list[float]]:
-    """Tokens and log-probs as Python lists in one device-to-host copy (one wait for the step); under
-    TP, rank tp_src's, in one broadcast. float64 holds both exactly (ids < 2^53, fp32 log-probs)."""
+def _rows(seqs: list[Sequence], prev: list[Sequence], device: torch.device) -> torch.Tensor | None:
+    """Row of each of seqs in the previous step's batch (None: row i is row i). A decode scheduled
+    ahead runs the previous step's sequences minus those that finished, in the same order."""
+    if len(seqs) <= len(prev) and all(a is b for a, b in zip(seqs, prev)):
+        return None
+    where = {id(seq): i for i, seq in enumerate(prev)}
+    rows = [where.get(id(seq), -1) for seq in seqs]
+    if min(rows) < 0:
+        raise RuntimeError("async decode: a sequence of the step has no token in the previous step")
+    if device.type != "cuda":
+        return torch.tensor(rows, dtype=torch.int64)
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """A step's sampled tokens and log-probs on their way to the host."""
+
+    seqs: list[Sequence]
+    next_ids: torch.Tensor
+    """int64 [B] on the device: the next decode step's input ids (under TP, rank tp_src's)."""
+    host: torch.Tensor
+    """float64 [2, B]: tokens and log-probs (float64 holds both exactly: ids < 2^53, fp32 log-probs)."""
+    ready: torch.cuda.Event | None
+    void: list[bool]
+    """Rows whose sequence had finished (a stop token read after this step was launched): ignored."""
+
+    def wait(self) -> tuple[list[int], list[float]]:
+        """The tokens and log-probs as Python lists, once the copy has landed."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host[0].long().tolist(), self.host[1].tolist()
+
+
+def _launch(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, tp_group, tp_src: int) -> _Sampled:
+    """Start the device-to-host copy (pinned, non-blocking on CUDA); under TP every rank continues
+    with rank tp_src's tokens (one broadcast)."""
     packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
-    if tp_group is not None:  # every TP rank must continue with the same tokens
+    next_ids = tokens
+    if tp_group is not None:
         dist.broadcast(packed, src=tp_src, group=tp_group)
-    packed = packed.cpu()
-    return packed[0].long().tolist(), packed[1].tolist()
+        next_ids = packed[0].long()
+    ready = None
+    if packed.is_cuda:
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True).copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    else:
+        host = packed
+    return _Sampled(seqs, next_ids, host, ready, [False] * len(seqs))
 
 
-def _append_tokens(sched: Scheduler, seqs: list[Sequence], tokens: list[int], logprobs: list[float],
-                   finished: list[Sequence]) -> None:
-    """Append each sequence's new token; finish those that emitted a stop token or reached max_tokens."""
-    for seq, tok, lp in zip(seqs, tokens, logprobs):
-        seq.token_ids.append(tok)
-        seq.logprobs.append(lp)
-        params = seq.params
-        if tok in params.stop_token_ids:
-            sched.finish(seq, "stop")
-            finished.append(seq)
-        elif seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens:
+def _reserve(sched: Scheduler, step: _Sampled) -> None:
+    """Give every sequence of a launched step its next token as PLACEHOLDER, so that the next step can
+    be scheduled before the token is known; a sequence that reaches max_tokens with it finishes now
+    (its blocks are freed: later steps that reuse them run after this one on the stream)."""
+    for i, seq in enumerate(step.seqs):
+        if seq.status is Status.FINISHED:  # stopped in the previous step: this row is void
+            step.void[i] = True
+            continue
+        seq.token_ids.append(PLACEHOLDER)
+        if seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
             sched.finish(seq, "length")
+
+
+def _resolve(sched: Scheduler, step: _Sampled, finished: list[Sequence]) -> None:
+    """Wait for a step's tokens, then `_append` them."""
+    _append(sched, step, *step.wait(), finished)
+
+
+def _append(sched: Scheduler, step: _Sampled, tokens: list[int], logprobs: list[float],
+            finished: list[Sequence]) -> None:
+    """Put each token in place of its sequence's PLACEHOLDER, with its log-prob; finish the sequences
+    that emitted a stop token (or reached max_tokens in `_reserve`)."""
+    for seq, tok, lp, void in zip(step.seqs, tokens, logprobs, step.void):
+        if void:
+            continue
+        seq.token_ids[-1] = tok
+        seq.logprobs.append(lp)
+        stop = tok in seq.params.stop_token_ids
+        if seq.status is Status.FINISHED:  # reached max_tokens with this token
+            seq.finish_reason = "stop" if stop else "length"
+            finished.append(seq)
+        elif stop:
+            sched.finish(seq, "stop")
             finished.append(seq)

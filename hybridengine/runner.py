@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import attention as attn_ops
-from .scheduler import Batch, Sequence
+from .scheduler import PLACEHOLDER, Batch, Sequence
 
 
 class KVCache:
@@ -121,12 +121,20 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, device="cpu").to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def step(self, batch: Batch) -> torch.Tensor:
-        """Logits [len(batch.seqs), V] (fp32) of the last token of every sequence of the batch."""
+    def step(self, batch: Batch, prev_tokens: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Logits [len(batch.seqs), V] (fp32) of the last token of every sequence of the batch.
+
+        `prev_tokens` = (tokens, rows), decode only: the batch's input ids are still on the device,
+        row i's is tokens[rows[i]] (rows None: tokens[i]); the sequences' last host token is then
+        PLACEHOLDER (the engine's async decode). The ids are copied into the step's inputs on the
+        stream, after the host-staged inputs, so the step waits for nothing on the host.
+        """
         self.kv.copy_blocks(batch.block_copies)
         if batch.is_prefill:
+            if prev_tokens is not None:
+                raise RuntimeError("prev_tokens is for decode steps only")
             return self._prefill(batch.seqs)
-        return self._decode(batch.seqs)
+        return self._decode(batch.seqs, prev_tokens)
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         ids, positions, slots, cu, last = [], [], [], [0], []
@@ -223,20 +231,36 @@ class ModelRunner:
     def _decode_inputs(self, seqs: list[Sequence], pad_to: int) -> dict[str, torch.Tensor]:
         return self._decode_views(self._upload(self._stage_decode(seqs, pad_to)), pad_to)
 
+    @staticmethod
+    def _device_ids(ids: torch.Tensor, B: int, prev_tokens) -> None:
+        """Write the previous step's device tokens over the staged placeholder ids (rows < B)."""
+        if prev_tokens is None:
+            return
+        tokens, rows = prev_tokens
+        if rows is None:
+            ids[:B].copy_(tokens[:B])
+        else:
+            torch.index_select(tokens, 0, rows, out=ids[:B])
+
     def _decode_forward(self, inp: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = AttentionMetadata(self.kv, False, inp["slots"], self.scale, context_lens=inp["lens"],
                                  block_tables=inp["tables"], fused=self.fused)
         return self.model.compute_logits(self.model.hidden_states_paged(inp["ids"], inp["positions"], meta))
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], prev_tokens=None) -> torch.Tensor:
         B = len(seqs)
+        if prev_tokens is None and any(seq.token_ids[-1] == PLACEHOLDER for seq in seqs):
+            raise RuntimeError("a decode step's input token is still on the device and no prev_tokens were given")
         size = next((s for s in self._sizes if s >= B), None)
         if size is None:
-            return self._decode_forward(self._decode_inputs(seqs, B)).float()
+            inputs = self._decode_inputs(seqs, B)
+            self._device_ids(inputs["ids"], B, prev_tokens)
+            return self._decode_forward(inputs).float()
         if size not in self.graphs:
             self._capture(size)  # lazy: this bucket's first decode step
         graph, static = self.graphs[size]
         self._upload(self._stage_decode(seqs, size), dest=static["buffer"])
+        self._device_ids(static["ids"], B, prev_tokens)
         graph.replay()
         return static["logits"][:B].float()
 

@@ -29,6 +29,9 @@ class Status(Enum):
 
 _ids = itertools.count()
 
+PLACEHOLDER = -1
+"""A sequence's last token id while the step that sampled it has not reached the host (async decode)."""
+
 
 @dataclass(slots=True, eq=False)
 class Sequence:
@@ -158,6 +161,19 @@ class Scheduler:
     @property
     def done(self) -> bool:
         return not self.waiting and not self.running
+
+    def decodes_next(self) -> bool:
+        """The next `schedule()` is a decode of every running sequence, with no prompt admitted and
+        nothing preempted: what the engine's async decode needs to schedule a step before the
+        previous step's tokens reach the host."""
+        if not self.running:
+            return False
+        if self.waiting:
+            head = self.waiting[0]
+            if len(self.running) + head.fork <= self.max_num_seqs and self.blocks.can_allocate(head):
+                return False
+        need = sum(1 for seq in self.running if self.blocks._append_needs_block(seq))
+        return need <= self.blocks.num_free
 
     def schedule(self) -> Batch:
         prefill, tokens = [], 0

@@ -97,6 +97,72 @@ def test_stop_tokens_and_finish_reasons():
     assert o.finish_reason == "stop" and o.token_ids == greedy.token_ids[:greedy.token_ids.index(stop) + 1]
 
 
+@pytest.mark.parametrize("blocks,max_num_seqs", [(None, 8), (None, 3), (10, 8)])
+def test_async_scheduling_gives_the_same_outputs(blocks, max_num_seqs):
+    """Async decode (each step launched before the previous step's tokens are on the host) against the
+    synchronous loop: mixed greedy / seeded rows, n > 1, different max_tokens, stop tokens that end
+    sequences mid-batch (their next row is void), admissions from the waiting queue (max_num_seqs=3)
+    and preemptions under a tiny cache (10 blocks)."""
+    engine, hf = make_engine("tiny-qwen2", num_kv_blocks=blocks, max_num_seqs=max_num_seqs)
+    prompts = prompts_for(hf.config.vocab_size, [3, 9, 17, 6, 5])
+    with engine.rollout():
+        engine.config.async_scheduling = False
+        params = [SamplingParams(temperature=1.0, max_tokens=12, seed=11),
+                  SamplingParams(n=2, temperature=1.0, top_k=30, max_tokens=9, seed=5),
+                  SamplingParams(temperature=0.0, max_tokens=5),
+                  SamplingParams(n=2, temperature=0.9, max_tokens=11, seed=3),
+                  SamplingParams(temperature=0.7, max_tokens=1, seed=2)]
+        probe = engine.generate(prompts, params)
+
+        def mid_stop(ids):  # a token whose first appearance is in the middle of the completion
+            return next(t for i, t in enumerate(ids) if 2 <= i <= len(ids) - 3 and t not in ids[:i])
+
+        # seeded rows draw the same tokens in any batch: these stops end sequences while others go on
+        params[0].stop_token_ids = (mid_stop(probe[0].outputs[0].token_ids),)
+        params[3].stop_token_ids = (mid_stop(probe[3].outputs[1].token_ids),)
+        runs = {}
+        for mode in (False, True):
+            engine.config.async_scheduling = mode
+            outs = engine.generate(prompts, params)
+            runs[mode] = ([[(o.token_ids, o.finish_reason) for o in r.outputs] for r in outs],
+                          [[o.logprobs for o in r.outputs] for r in outs], dict(engine.stats))
+    (sync_ids, sync_lp, sync_stats), (async_ids, async_lp, async_stats) = runs[False], runs[True]
+    assert async_ids == sync_ids
+    for a, b in zip(async_lp, sync_lp):
+        torch.testing.assert_close(torch.tensor(sum(a, [])), torch.tensor(sum(b, [])), rtol=0, atol=1e-5)
+    reasons = [reason for r in sync_ids for _, reason in r]
+    assert "stop" in reasons and "length" in reasons
+    assert all(-1 not in ids for r in async_ids for ids, _ in r)
+    assert sync_stats["async_steps"] == 0 and async_stats["async_steps"] > 5
+    if blocks is not None:
+        assert async_stats["preemptions"] > 0
+
+
+def test_decodes_next_predicts_a_plain_decode():
+    """Scheduler.decodes_next() is True exactly when schedule() then returns a decode of every running
+    sequence with no admission and no preemption."""
+    from hybridengine.scheduler import Scheduler
+
+    for blocks, max_seqs in ((40, 8), (10, 8), (40, 3)):
+        sched = Scheduler(BlockManager(blocks, 4), max_num_seqs=max_seqs, max_num_batched_tokens=64)
+        for i, n in enumerate([5, 9, 2, 7]):
+            sched.add(Sequence(request=i, token_ids=list(range(n)), num_prompt_tokens=n, params=SamplingParams(), fork=2))
+        checked = 0
+        while not sched.done and checked < 200:
+            predicted = sched.decodes_next()
+            running, preempted = list(sched.running), sched.num_preemptions
+            batch = sched.schedule()
+            plain = (not batch.is_prefill and batch.seqs == running and sched.num_preemptions == preempted)
+            assert predicted == plain or (not predicted and not running), checked
+            seqs = [c for s in batch.seqs for c in (sched.fork(s) if s.fork > 1 else [s])] if batch.is_prefill else batch.seqs
+            for seq in seqs:
+                seq.token_ids.append(1)
+                if seq.num_tokens >= 22:
+                    sched.finish(seq, "length")
+            checked += 1
+        assert sched.done
+
+
 @pytest.mark.parametrize("prompts,params,match", [
     ([[]], SamplingParams(), r"prompts\[0\] is empty"),
     ([[1, 2], [3, 10_000]], SamplingParams(), r"prompts\[1\] has token id 10000 outside the vocabulary"),
@@ -365,6 +431,41 @@ def test_cuda_graph_decode_equals_eager_decode():
     for g, e in zip(lazy, graphed):  # the same graphs, captured at another time: bitwise
         for a, b in zip(g.outputs, e.outputs):
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_async_scheduling_equals_sync(graphs):
+    """On the GPU (pinned copies, events, ids copied on the stream into the graphs' static inputs):
+    async decode gives the outputs of the synchronous loop, with stop tokens ending sequences mid-batch
+    and the batch shrinking through the graph buckets. A void row can put a step in another batch
+    bucket (other GEMM shapes), so log-probs agree to rounding, not bitwise."""
+    torch.manual_seed(0)
+    engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
+        dtype=torch.float32, device="cuda", block_size=4, max_model_len=64, num_kv_blocks=40, max_num_seqs=8,
+        cuda_graphs=graphs))
+    prompts = prompts_for(engine.vocab_size, [3, 9, 17, 6, 5])
+    params = [SamplingParams(temperature=1.0, max_tokens=20, seed=11),
+              SamplingParams(n=3, temperature=0.9, top_k=30, max_tokens=14, seed=3),
+              SamplingParams(temperature=0.0, max_tokens=20), SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=7)]
+    with engine.rollout():
+        engine.config.async_scheduling = False
+        probe = engine.generate(prompts, params)
+        ids = probe[0].outputs[0].token_ids
+        params[0].stop_token_ids = (next(t for i, t in enumerate(ids) if 2 <= i <= 15 and t not in ids[:i]),)
+        ids = probe[1].outputs[2].token_ids
+        params[1].stop_token_ids = (next(t for i, t in enumerate(ids) if 2 <= i <= 10 and t not in ids[:i]),)
+        runs = {}
+        for mode in (False, True):
+            engine.config.async_scheduling = mode
+            runs[mode] = engine.generate(prompts, params)
+            assert (engine.stats["async_steps"] > 5) == mode
+    for a, b in zip(runs[True], runs[False]):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-4)
+    assert "stop" in [o.finish_reason for r in runs[True] for o in r.outputs]
 
 
 @pytest.mark.gpu
