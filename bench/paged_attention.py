@@ -195,11 +195,15 @@ SWEEP_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
 """The six best of the full 3 x 2 x 3 grid (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages) in the first sweep."""
 SWEEP_SPLIT_FACTORS = (1, 2, 4, 8)
 """Multiples of the automatic split count tried where the automatic plan splits."""
+SWEEP_DOTS = {"16bit": True, "upcast_tf32": False}
+"""The kernel's two dot paths (case `dot`, the launcher's config DOT_16BIT): `tl.dot` on the bf16 tiles (the
+default) and the fp32 upcast with TF32 dots it replaced, each config in the same run. The upcast runs the first
+two split factors only, to keep the sweep's length."""
 
 
 def paged_attention_sweep(ctx: Ctx) -> None:
     """Launch-config sweep of the Triton decode kernel (tile BLOCK_N, warps, pipeline stages, split
-    count) on the cases that decide the defaults; rows carry case sweep=True. GPU only."""
+    count, dot path) on the cases that decide the defaults; rows carry case sweep=True. GPU only."""
     from hybridengine import attention
 
     if not ctx.cuda:
@@ -231,30 +235,31 @@ def paged_attention_sweep(ctx: Ctx) -> None:
                 ctx.log(f"paged_attention sweep B={batch} ctx={context} {provider} after a "
                         f"{'write' if write else 'read'} flush: {quantiles(times)[1] * 1e6:.1f} us")
         factors = SWEEP_SPLIT_FACTORS if auto > 1 else (1,)
-        best = None
-        for config in SWEEP_CONFIGS:
-            for factor in factors:
-                splits = min(auto * factor, attention.DECODE_MAX_SPLITS, max(1, context // config["BLOCK_N"]))
-                parts = attention.decode_partitions(context, splits, config["BLOCK_N"])[0]
-                case = dict(base, flush="read", split=f"{factor}x_auto", num_partitions=parts, **config)
+        best = {}
+        for dot, dot_16bit in SWEEP_DOTS.items():
+            for config in SWEEP_CONFIGS:
+                for factor in factors if dot_16bit else factors[:2]:
+                    splits = min(auto * factor, attention.DECODE_MAX_SPLITS, max(1, context // config["BLOCK_N"]))
+                    parts = attention.decode_partitions(context, splits, config["BLOCK_N"])[0]
+                    case = dict(base, flush="read", split=f"{factor}x_auto", num_partitions=parts, dot=dot, **config)
 
-                def fn(splits=splits, config=config):
-                    return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
-                                                                   num_splits=splits, max_context_len=context,
-                                                                   config=config)
-                try:
-                    _check(f"sweep {config}", fn(), expected)
-                    times = cold_times(ctx, fn, warmup=3, repeats=20, flush=flush)
-                except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is a row
-                    ctx.rec.not_run("paged_attention", "hybridengine", MODEL,
-                                    f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
-                    continue
-                ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
-                median = quantiles(times)[1]
-                if best is None or median < best[0]:
-                    best = (median, config, parts)
-        if best:
-            ctx.log(f"paged_attention sweep B={batch} ctx={context}: best {best[0] * 1e6:.1f} us "
-                    f"({nbytes / best[0] / 1e9:,.0f} GB/s) with {best[1]}, {best[2]} partitions")
+                    def fn(splits=splits, config=config | {"DOT_16BIT": dot_16bit}):
+                        return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                                       num_splits=splits, max_context_len=context,
+                                                                       config=config)
+                    try:
+                        _check(f"sweep {config} dot={dot}", fn(), expected)
+                        times = cold_times(ctx, fn, warmup=3, repeats=20, flush=flush)
+                    except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is a row
+                        ctx.rec.not_run("paged_attention", "hybridengine", MODEL,
+                                        f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
+                        continue
+                    ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
+                    median = quantiles(times)[1]
+                    if dot not in best or median < best[dot][0]:
+                        best[dot] = (median, config, parts)
+        for dot, (median, config, parts) in best.items():
+            ctx.log(f"paged_attention sweep B={batch} ctx={context} dot={dot}: best {median * 1e6:.1f} us "
+                    f"({nbytes / median / 1e9:,.0f} GB/s) with {config}, {parts} partitions")
         del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected
         release_memory()

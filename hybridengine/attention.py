@@ -329,8 +329,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """`paged_decode_attention` with the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages): the
-    tuning sweep of bench/paged_attention.py uses it."""
+    `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages) and
+    DOT_16BIT (default True for bf16/fp16: `tl.dot` on the 16-bit tiles; False: the previous fp32
+    upcast with TF32 dots; fp32 inputs: False only): the tuning sweep of bench/paged_attention.py
+    uses it."""
     import triton
 
     from hybridengine.kernels.paged_attention import paged_decode_kernel, paged_decode_reduce_kernel
@@ -350,11 +352,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if batch == 0:
         return out
 
-    cfg = _decode_config(q.device, head_dim)
+    cfg = _decode_config(q.device, head_dim) | {"DOT_16BIT": q.dtype != torch.float32}
     unknown = set(config or {}) - set(cfg)
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")
     cfg.update(config or {})
+    if not isinstance(cfg["DOT_16BIT"], bool) or (cfg["DOT_16BIT"] and q.dtype == torch.float32):
+        raise ValueError(f"config DOT_16BIT must be a bool, and False for float32 inputs, got "
+                         f"{cfg['DOT_16BIT']!r} with {q.dtype} inputs")
     block_n = cfg.pop("BLOCK_N")
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
@@ -376,7 +381,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         scale * math.log2(math.e), NO_WINDOW if sliding_window is None else sliding_window,
         block_tables.shape[1], partition_size, num_partitions,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype), **cfg,
+        PAGE_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
+        # the interpreter's tl.dot reads bf16 operands' bits as integers: it multiplies fp32 copies (same products)
+        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, **cfg,
     )
     if split:
         block_dr = min(block_d, DECODE_REDUCE_BLOCK_D)

@@ -11,17 +11,41 @@ With `SPLIT`, each program covers one partition of the context (flash-decoding) 
 unnormalised accumulator, running max and exp-sum; `paged_decode_reduce_kernel` merges the
 partitions. Without it, the one partition is the whole context and the output is written directly.
 
-Math: loads are upcast to fp32. `tl.dot` on fp32 operands runs TF32 tensor cores on GPU
-(`DOT_PRECISION="tf32"`, chosen by the launcher for bf16/fp16 inputs): bf16 and fp16 values are
-exact in TF32, so Q.K^T is exact products with fp32 accumulation, and only P is rounded to TF32
-(flash-attn rounds it to bf16). fp32 inputs use "ieee". Softmax is online, in base 2 with the
-scale folded into log2(e).
+Math: fp32 math after the loads, with the tiles fed to the tensor cores in their stored dtype.
+`DOT_16BIT` (the launcher's default for bf16/fp16): both `tl.dot`s take 16-bit operands and
+accumulate in fp32. A product of two bf16 (8-bit significand) or fp16 (11-bit) values is exact in
+fp32 (24 bits), so S = Q.K^T is exact products summed in fp32, the numbers an fp32 upcast gives, with
+the K and V tiles in half the registers. V enters P.V exact. P (fp32, from the online softmax) is
+split in the input dtype, p_hi = p.to(dtype), p_lo = (p - p_hi).to(dtype): p_hi is 0 or within a
+factor 2 of p, so p - p_hi is exact in fp32 (Sterbenz) whatever the cast's rounding, and
+P.V = P_hi.V + P_lo.V (exact products, fp32 sums) carries P to 16 significant bits for bf16
+(relative error <= 2^-16 with the GPU's round-to-nearest, < 2^-14 with the interpreter's truncating
+bf16 cast; TF32 keeps 11 bits, flash-attn's bf16 P 8) and to 22 for fp16 (plus at most 2^-25
+absolute where p_lo or p falls among fp16's subnormals). The cost is a second, [GROUP_PAD, BLOCK_N] x
+[BLOCK_N, D], MMA per tile. The only 16-bit arithmetic is inside the dots (STYLE habit 5 upcasts
+because the interpreter's bf16 arithmetic is wrong: `_dot_16bit` runs its fp32 equivalent there).
+`DOT_16BIT=False` is the previous path, kept for same-run GPU comparisons: loads upcast to fp32,
+TF32 dots (`DOT_PRECISION="tf32"`; bf16/fp16 values are exact in TF32, P is rounded to TF32). fp32
+inputs always take that path, with "ieee". Softmax is online, in base 2 with the scale folded into
+log2(e).
 
 The launcher, its checks and the reference are in `hybridengine.attention`.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _dot_16bit(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b for bf16/fp16 a and b: exact products, fp32 accumulation (acc None: from zero).
+    UPCAST: the same products from fp32 copies of a and b with "ieee", for the interpreter, whose
+    tl.dot multiplies bf16 operands' raw bits as integers (Triton 3.9; its fp16 dot is right)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
 
 
 @triton.jit
@@ -35,6 +59,7 @@ def paged_decode_kernel(
     scale_log2, window, max_blocks, partition_size, num_partitions,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -58,7 +83,9 @@ def paged_decode_kernel(
     row_ok = g < GROUP
     d_ok = d < HEAD_DIM
     q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if not DOT_16BIT:
+        q = q.to(tl.float32)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -72,17 +99,27 @@ def paged_decode_kernel(
         slot = t % PAGE_SIZE
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + page[:, None] * stride_kc_block + slot[:, None] * stride_kc_slot
-                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(t_ok[None, :], s, float("-inf"))
+                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)
+        v_ptrs = V_cache + page[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
+        if DOT_16BIT:  # V's read issued with K's, before the QK dot and the softmax: both in flight together
+            v = tl.load(v_ptrs + d[None, :], mask=kv_mask, other=0.0)
+            s = _dot_16bit(q, tl.trans(k), None, UPCAST_BF16_DOT)
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays 0
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V_cache + page[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
-                    + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        if DOT_16BIT:
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)  # p - p_hi is exact (see the module docstring)
+            acc = _dot_16bit(p_hi, v, acc * alpha[:, None], UPCAST_BF16_DOT)
+            acc = _dot_16bit(p_lo, v, acc, UPCAST_BF16_DOT)
+        else:  # the previous kernel as it was: V read after the softmax (hoisted, two fp32 tiles would be live)
+            v = tl.load(v_ptrs + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]

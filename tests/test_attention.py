@@ -19,12 +19,27 @@ import torch
 
 from hybridengine import attention as A
 
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 K_TOL = {torch.bfloat16: 1.0, torch.float16: 1.0, torch.float32: 2.0}
 """Allowed multiple of torch's own error, on top of the one rounding of the output (`assert_close_to_exact`).
-bf16/fp16: the kernels compute in fp32 and round once at the output, torch in the input dtype rounds at
-every step. fp32: both compute in fp32 in a different order (base-2 exponent, online rescaling);
-measured max ratio 0.83 under the interpreter."""
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+bf16/fp16: the kernels round once, at the output; before it their error is P's as the P.V dot sees it
+(decode: `P_ERROR`, 2^-10 relative at most, TF32) plus fp32 rounding, checked on its own by
+`test_paged_decode_partials_within_rounding_bound`, while torch in the input dtype rounds the scores and P
+to it (2^-8 for bf16, 2^-11 for fp16) at every step. fp32: both compute in fp32 in a different order
+(base-2 exponent, online rescaling); measured max ratio 0.83 under the interpreter."""
+DOT_PATHS = [pytest.param(True, id="dot16"), pytest.param(False, id="upcast")]
+"""The decode kernel's `DOT_16BIT` (`tl.dot` on the bf16/fp16 tiles, the default) and the fp32 upcast it replaced."""
+P_ERROR = {
+    True: {torch.bfloat16: (2.0**-14 if INTERPRETER else 2.0**-16, 0.0), torch.float16: (2.0**-22, 2.0**-25)},
+    False: {torch.bfloat16: (2.0**-24 if INTERPRETER else 2.0**-10, 0.0),
+            torch.float16: (2.0**-24 if INTERPRETER else 2.0**-10, 0.0)},
+}
+"""(relative, absolute) error of one p as the decode kernel's P.V dot uses it, by DOT_16BIT and dtype
+(kernels/paged_attention.py). DOT_16BIT, bf16: p_hi + p_lo, each cast to 8 significant bits, the residual
+p - p_hi exact: 2^-8 x 2^-8 with round-to-nearest (GPU), 2^-7 x 2^-7 with the interpreter's truncating cast.
+fp16: 2^-11 x 2^-11, and fp16 subnormals (p_lo, or p below 2^-14) leave half their spacing 2^-24 absolute.
+The fp32 upcast: TF32 keeps 11 significant bits, truncated (GPU: 2^-10); the interpreter multiplies in fp32,
+rounding p x v (2^-24)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,22 +222,93 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["one-pass", "split"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,lens,kw", DECODE_CASES)
-def test_paged_decode_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens, kw, num_splits):
+def test_paged_decode_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens, kw, num_splits,
+                                        dot_16bit):
     inputs = decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, lens, torch.bfloat16, device, **kw)
     if num_splits > 1:  # the split path must really run with more than one partition
         plan = A.decode_partition_plan(len(lens), num_kv_heads, head_dim, inputs[3].shape[1] * block_size, device,
                                        num_splits)
         assert plan[0] > 1, plan
-    check_decode(*inputs, num_splits=num_splits)
+    check_decode(*inputs, num_splits=num_splits, config=dict(DOT_16BIT=dot_16bit))
 
 
+@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split"])
 @pytest.mark.parametrize("window", [1, 5, 40])
-def test_paged_decode_sliding_window(device, window, num_splits):
+def test_paged_decode_sliding_window(device, window, num_splits, dot_16bit):
     inputs = decode_inputs(8, 2, 64, 16, [1, 9, 77], torch.bfloat16, device)
-    check_decode(*inputs, sliding_window=window, num_splits=num_splits)
+    check_decode(*inputs, sliding_window=window, num_splits=num_splits, config=dict(DOT_16BIT=dot_16bit))
+
+
+@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split"])
+def test_paged_decode_fp16(device, num_splits, dot_16bit):
+    # fp16 runs the 16-bit dots natively under the interpreter too (its bf16 dot is emulated in fp32).
+    inputs = decode_inputs(7, 1, 128, 16, [70, 5, 33], torch.float16, device)
+    check_decode(*inputs, num_splits=num_splits, config=dict(DOT_16BIT=dot_16bit))
+
+
+class _CapturePartials:
+    """Stands in for the split-K merge kernel: keeps the fp32 (acc, m, l) of the partitions it is launched with."""
+
+    def __getitem__(self, grid):
+        def launch(acc_part, m_part, l_part, *args, **kwargs):
+            self.acc, self.m, self.l = acc_part.clone(), m_part.clone(), l_part.clone()
+        return launch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
+def test_paged_decode_partials_within_rounding_bound(device, monkeypatch, dtype, dot_16bit):
+    """The split-K partials, fp32 before the merge and the output rounding (which at 2^-9 for bf16 hides P's
+    rounding in the other tests), against fp64 on the kernel's own running max m: acc = sum_j p_j v_j and
+    l = sum_j p_j with p_j = 2^(s_j - m), s_j = q.k_j x scale x log2(e). Bound, first order, per p_j: P_ERROR
+    plus fp32 roundings in units u = 2^-24: the score's (D products summed, x scale rounded twice) and the
+    exponent's arguments (s_j - m at its tile, the rescales' m differences: 4 max|s| in all), times ln 2;
+    2 ulps per exp2 (its own and the T - 1 rescales a tile passes through at most); the T rescaling products;
+    and the 2N + T fp32 sums at 2u each (tensor cores may truncate)."""
+    from hybridengine.kernels import paged_attention as kernels
+
+    capture = _CapturePartials()
+    monkeypatch.setattr(kernels, "paged_decode_reduce_kernel", capture)
+    num_q_heads, num_kv_heads, head_dim, block_size, lens = 8, 2, 64, 16, [150, 77]
+    q, k_cache, v_cache, table, context_lens = decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, lens,
+                                                             dtype, device)
+    scale, group = head_dim**-0.5, num_q_heads // num_kv_heads
+    A.paged_decode_attention_triton(q, k_cache, v_cache, table, context_lens, scale=scale, num_splits=2,
+                                    config=dict(DOT_16BIT=dot_16bit))
+    num_parts, size = A.decode_partition_plan(len(lens), num_kv_heads, head_dim, table.shape[1] * block_size,
+                                              device, 2)
+    assert num_parts == 2 and capture.m.shape == (len(lens), num_q_heads, num_parts), (num_parts, capture.m.shape)
+    block_n = A._decode_config(device, head_dim)["BLOCK_N"]
+    c, u = scale * math.log2(math.e), 2.0**-24
+    rel_p, abs_p = P_ERROR[dot_16bit][dtype]
+    for b, n in enumerate(lens):
+        blocks = table[b, :math.ceil(n / block_size)]
+        keys, values = (A._gather_keys(cache, blocks, n).double().repeat_interleave(group, dim=1)
+                        for cache in (k_cache, v_cache))
+        for part in range(num_parts):
+            lo, hi = part * size, n if part == num_parts - 1 else min(n, (part + 1) * size)
+            m, l, acc = capture.m[b, :, part], capture.l[b, :, part], capture.acc[b, :, part, :head_dim]
+            if lo >= hi:  # an empty partition
+                assert (m == float("-inf")).all() and (l == 0).all() and (acc == 0).all()
+                continue
+            k, v, qb = keys[lo:hi], values[lo:hi], q[b].double()
+            s = torch.einsum("hd,nhd->hn", qb, k) * c
+            qk_abs = torch.einsum("hd,nhd->hn", qb.abs(), k.abs()) * c
+            p = torch.exp2(s - m.double()[:, None])
+            num_keys, tiles = hi - lo, math.ceil((hi - lo) / block_n)
+            rel = u * (math.log(2) * (head_dim * qk_abs + 2 * s.abs() + 4 * s.abs().amax(1, keepdim=True))
+                       + 4 * tiles + tiles + 2 * (2 * num_keys + tiles))
+            l_err = (l.double() - p.sum(1)).abs()
+            assert (l_err <= (p * rel).sum(1)).all(), (b, part, l_err, (p * rel).sum(1))
+            acc_err = (acc.double() - torch.einsum("hn,nhd->hd", p, v)).abs()
+            bound = torch.einsum("hn,nhd->hd", p * (rel_p + rel), v.abs()) + abs_p * v.abs().sum(0)
+            worst = (acc_err / bound).max().item()
+            assert worst <= 1.0, f"sequence {b} partition {part}: acc error {worst:.3g} x its bound"
 
 
 def test_paged_decode_fp32_and_shared_prefix(device):
@@ -301,7 +387,11 @@ def _decode_args(device):
     (lambda a: a.update(num_splits=0), r"num_splits must be None or an int in \[1, 512\]"),
     (lambda a: a.update(max_context_len=10**6), r"max_context_len must be an int in \[1, 48\]"),
     (lambda a: a.update(out=a["q"].float()), "out must be torch.bfloat16"),
-    (lambda a: a.update(config=dict(BLOCK_M=16)), r"config keys must be among \['BLOCK_N', 'num_stages', 'num_warps'\]"),
+    (lambda a: a.update(config=dict(BLOCK_M=16)),
+     r"config keys must be among \['BLOCK_N', 'DOT_16BIT', 'num_stages', 'num_warps'\]"),
+    (lambda a: a.update(config=dict(DOT_16BIT=1)), "config DOT_16BIT must be a bool, .* got 1 with torch.bfloat16"),
+    (lambda a: a.update(q=a["q"].float(), k_cache=a["k_cache"].float(), v_cache=a["v_cache"].float(),
+                        config=dict(DOT_16BIT=True)), "False for float32 inputs, got True with torch.float32"),
 ])
 def test_paged_decode_bad_input(device, change, match):
     args = _decode_args(device)
