@@ -189,7 +189,8 @@ def paged_attention(ctx: Ctx) -> None:
         release_memory()
 
 
-SWEEP_CASES = ((1, 16384), (16, 4096), (16, 16384), (128, 1024), (128, 4096))
+SWEEP_CASES = ((1, 16384), (16, 4096), (16, 16384), (128, 1024), (128, 4096), (128, 256), (128, 512), (64, 512))
+"""The last three: the contexts of a GRPO decode (prompt 128 + up to 512 new tokens) at decode batch sizes."""
 SWEEP_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
                  for n, w, s in ((64, 4, 2), (64, 4, 3), (32, 4, 4), (128, 4, 3), (128, 8, 4), (64, 8, 3))]
 """The six best of the full 3 x 2 x 3 grid (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages) in the first sweep."""
