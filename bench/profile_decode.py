@@ -143,6 +143,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="see each kernel's host launch (slower steps)")
     ap.add_argument("--sync", action="store_true", help="async_scheduling off: each step waits for the last one's tokens")
+    ap.add_argument("--kernel-configs", default=None,
+                    help="instead of profiling, time the decode step with each paged-decode launch config, "
+                         "'BLOCK_N:warps:stages:dot16bit,...' (e.g. 128:4:3:1,64:4:2:0), one rollout each")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -155,6 +158,8 @@ def main(argv=None) -> dict:
     params = he.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.new_tokens, seed=None)
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.kernel_configs:
+        return _time_kernel_configs(engine, ids, params, args)
     kinds: list[bool] = []
     with engine.rollout():
         engine.generate(ids, params)  # warm-up: Triton autotuning, allocator, caches
@@ -194,6 +199,36 @@ def main(argv=None) -> dict:
         print(f"{name:<20}{ms:>10.3f}")
     for k in result["top_kernels_us_per_step"]:
         print(f"  {k['us']:9.1f} us  {k['name']}")
+    return result
+
+
+def _time_kernel_configs(engine, ids, params, args) -> dict:
+    """The unprofiled decode step with each paged-decode launch config (patched into
+    `hybridengine.attention._decode_config` from outside; a rollout each, so its CUDA graphs capture
+    that config): the real decode's contexts, block layout and L2 state, which the kernel sweep's
+    synthetic shapes only approximate."""
+    from hybridengine import attention
+
+    original = attention._decode_config
+    results = []
+    try:
+        for spec in args.kernel_configs.split(","):
+            n, w, s, dot = (int(x) for x in spec.split(":"))
+            config = dict(BLOCK_N=n, num_warps=w, num_stages=s, DOT_16BIT=bool(dot))
+            attention._decode_config = lambda device, head_dim, config=config: dict(config)
+            with engine.rollout():
+                engine.generate(ids, params)  # warm-up and capture
+                steps = []
+                for _ in range(2):
+                    engine.generate(ids, params)
+                    steps.append(engine.stats["decode_s"] / max(1, engine.stats["steps"] - 1) * 1e3)
+            results.append(dict(config=config, step_ms=min(steps), steps_ms=steps))
+            print(f"{args.model} B={args.batch} {config}: decode step {min(steps):.3f} ms ({steps})")
+    finally:
+        attention._decode_config = original
+    result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
+                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", kernel_configs=results)
+    (args.out / "decode_kernel_configs.json").write_text(json.dumps(result, indent=1))
     return result
 
 

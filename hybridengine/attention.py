@@ -357,7 +357,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if batch == 0:
         return out
 
-    cfg = _decode_config(q.device, head_dim) | {"DOT_16BIT": q.dtype != torch.float32}
+    cfg = {"DOT_16BIT": q.dtype != torch.float32} | _decode_config(q.device, head_dim)
     unknown = set(config or {}) - set(cfg)
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")

@@ -386,6 +386,23 @@ def test_profile_decode_runs_on_cpu(tmp_path):
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
 
 
+def test_profile_decode_times_kernel_configs_on_cpu(tmp_path):
+    """The kernel-config mode runs a rollout per config and puts the launcher's config back (on CPU the
+    decode attention is the reference, so this checks the harness, not the configs)."""
+    import json
+
+    from bench import profile_decode
+    from hybridengine import attention
+
+    original = attention._decode_config
+    profile_decode.main(["--model", "tiny-qwen2", "--batch", "2", "--prompt", "5", "--new-tokens", "3",
+                         "--device", "cpu", "--kernel-configs", "32:4:2:1,64:4:2:0", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "decode_kernel_configs.json").read_text())
+    assert [r["config"]["BLOCK_N"] for r in result["kernel_configs"]] == [32, 64]
+    assert all(r["step_ms"] > 0 for r in result["kernel_configs"])
+    assert attention._decode_config is original
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(SAMPLER_CASES))
 def test_sample_returns_exactly_what_the_reference_returns_on_cuda(case):
