@@ -301,15 +301,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
 
 
 def _decode_config(device: torch.device, head_dim: int) -> dict:
-    # H200 sweep (bench paged_attention_sweep, run 20261130T175707Z-4579, Qwen2-7B heads, 16-bit dots):
-    # [128, head_dim] K and V tiles, 4 warps, 3 stages was the best or within 10% of it in every case
-    # (B = 128 at 1k / 4k: 76.5 / 275 us against 78.1 / 279 for the previous default, 64 tokens x 2
-    # stages with TF32 dots; that default with 16-bit dots: 93 / 331 us). head_dim > 128 keeps 32-token
-    # tiles (shared memory). Under the interpreter, 32-token tiles keep the tests' partitions small.
+    # Chosen on the real decode step (`python -m bench.profile_decode --kernel-configs`, H200, B = 128,
+    # prompts 128 + 256 new tokens, async scheduling; bench/results/profiles/decode_kernel_configs_*):
+    # 32-token tiles, 4 warps, 4 stages, 16-bit dots: 7B 5.78 ms/step (best of six; the previous
+    # 64 x 2-stage TF32 default 5.84, 128 x 3 stages 6.03), 1.5B 2.60 ms (64 x 2 stages with 16-bit
+    # dots 2.55, TF32 2.63, 128 x 3 stages 2.68). The cold-L2 kernel sweep agrees at B = 1 / 16k (22.0 us,
+    # best), B = 128 at 256 / 512 / 1k tokens (best) and B = 128 / 4k (within 0.2%). Under the
+    # interpreter, 32-token tiles and one stage keep the tests fast.
     if device.type != "cuda":
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
     if head_dim <= 128:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=4)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 
