@@ -513,7 +513,7 @@ def generate_section(rows: list[dict]) -> str:
                      dur(step and step["value"]), dur(floor and floor["value"]) + floor_mark,
                      ratio(step and step["value"], floor and floor["value"]), *speeds, sig(nvml and nvml["value"]), run])
     ours = ("## Rollout generation\n\n### hybridengine\n\n"
-            "`HybridEngine.generate` with CUDA graphs, one GPU per run, sampling at temperature 1 (the peers decode "
+            "`HybridEngine.generate` with CUDA graphs and async scheduling, one GPU per sequence batch at tg = 1, two at tg = 2, sampling at temperature 1 (the peers decode "
             "greedily; every call generates the full length either way). Sequences per GPU x new tokens: 64 x 128 is "
             "the peers' workload (64 prompts x 128 random tokens); grpo is 8 prompts x n = 8 samples x 512. Decode "
             "step: the engine's decode time / steps; floor: the run's `decode_step` floor row (weights + KV bytes / HBM "
