@@ -122,8 +122,30 @@ def switch(ctx: Ctx) -> None:
                         gap_driver.append(pages)
                     buf.switch_to_training()
                     buf.wait_released()
+                # The same with each switch batch's pages in one allocation (ShardedBuffer(batch_page_calls=True):
+                # ~5 cuMemCreate / cuMemSetAccess per switch instead of ~30), as a same-run variant.
+                batched, batched_driver = [], []
+                if buf.use_vmm:
+                    buf.batch_page_calls = True
+                    for _ in range(ctx.reps(10)):
+                        time.sleep(IDLE_GAP_S)
+                        t, pages = _timed_to_gen(ctx, buf)
+                        batched.append(t)
+                        if pages is not None:
+                            batched_driver.append(pages)
+                        buf.switch_to_training()
+                        buf.wait_released()
+                    buf.batch_page_calls = False
             to_gen, to_train, released = ctx.slowest(to_gen), ctx.slowest(to_train), ctx.slowest(released)
             after_gap = ctx.slowest(after_gap)
+            if batched:
+                variant = {**case, "direction": "train_to_gen", "after_idle_s": IDLE_GAP_S, "batch_page_calls": True}
+                ctx.rec.add("switch_detail", "hybridengine", model, {**variant, "what": "train->gen, batched page calls"},
+                            "seconds", ctx.slowest(batched))
+                if batched_driver:
+                    ctx.rec.add("switch_detail", "hybridengine", model,
+                                {**variant, "what": "driver page calls, batched (rank 0 host)"}, "seconds",
+                                batched_driver)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen",
                                                            "after_idle_s": IDLE_GAP_S}, "seconds", after_gap)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "seconds", to_gen)

@@ -130,8 +130,43 @@ int vmm_unmap(uint64_t address, size_t bytes, uint64_t handle) {
   const DriverApi& a = api();
   if (a.status != CUDA_SUCCESS) return a.status;
   const CUresult r = timed(kUnmap, [&] { return a.unmap(static_cast<CUdeviceptr>(address), bytes); });
-  if (r != CUDA_SUCCESS) return r;
+  if (r != CUDA_SUCCESS || handle == 0) return r;  // 0: a shared allocation whose handle vmm_map_pieces released
   return timed(kRelease, [&] { return a.release(static_cast<CUmemGenericAllocationHandle>(handle)); });
+}
+
+int vmm_map_pieces(const uint64_t* addresses, const size_t* bytes, int num_pieces, const uint64_t* access_begin,
+                   const size_t* access_bytes, int num_access, int device) {
+  const DriverApi& a = api();
+  if (a.status != CUDA_SUCCESS) return a.status;
+  size_t total = 0;
+  for (int i = 0; i < num_pieces; ++i) total += bytes[i];
+  CUmemAllocationProp prop = device_prop(device);
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = timed(kCreate, [&] { return a.create(&h, total, &prop, 0); });
+  if (r != CUDA_SUCCESS) return r;
+  int mapped = 0;
+  size_t offset = 0;
+  for (; mapped < num_pieces; ++mapped) {
+    const CUdeviceptr ptr = static_cast<CUdeviceptr>(addresses[mapped]);
+    r = timed(kMap, [&] { return a.map(ptr, bytes[mapped], offset, h, 0); });
+    if (r != CUDA_SUCCESS) break;
+    offset += bytes[mapped];
+  }
+  if (r == CUDA_SUCCESS) {
+    CUmemAccessDesc access = {};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    for (int j = 0; j < num_access && r == CUDA_SUCCESS; ++j) {
+      r = timed(kAccess, [&] { return a.set_access(static_cast<CUdeviceptr>(access_begin[j]), access_bytes[j], &access, 1); });
+    }
+  }
+  if (r != CUDA_SUCCESS) {
+    for (int i = 0; i < mapped; ++i) a.unmap(static_cast<CUdeviceptr>(addresses[i]), bytes[i]);
+  }
+  // The mappings hold the memory from here on (on failure none is left, and this frees it).
+  timed(kRelease, [&] { return a.release(h); });
+  return r;
 }
 
 void vmm_timings(double seconds[5], int64_t calls[5], bool reset) {

@@ -110,6 +110,17 @@ class GenerationBuffer:
             raise
         return done
 
+    def map_units(self, units: list[int]) -> dict[int, list[int]]:
+        """`map_unit` for several units with one physical allocation and the fewest driver calls
+        (`VmmRange.map_pieces`); all or nothing. Returns {unit: byte offsets this call mapped}."""
+        if self.vmm is None:
+            return {}
+        todo = {u: [(off, n) for off, n in self._other_shard_bytes(u) if not self.vmm.is_mapped(off)] for u in units}
+        pieces = [piece for u in units for piece in todo[u]]
+        if pieces:
+            self.vmm.map_pieces(pieces)
+        return {u: [off for off, _ in todo[u]] for u in units if todo[u]}
+
     def unmap_unit(self, u: int, offsets: list[int] | None = None) -> None:
         """Unmap the other shards of unit u (only those at byte `offsets`, when given)."""
         if self.vmm is None:
@@ -182,10 +193,15 @@ class ShardedBuffer:
 
     def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
-                 timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None):
+                 timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None,
+                 batch_page_calls: bool = False):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
         `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
-        (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES)."""
+        (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES).
+        `batch_page_calls` (VMM): map each switch batch's pages with one physical allocation, one
+        cuMemSetAccess per run of units (`GenerationBuffer.map_units`) instead of a cuMemCreate and a
+        cuMemSetAccess per (unit, shard): ~5 driver calls of each kind per switch instead of ~30. Off by
+        default until it is measured on two GPUs (it has not run on a GPU yet)."""
         if switch_batch_bytes is not None and (not isinstance(switch_batch_bytes, int) or switch_batch_bytes < 0):
             raise ValueError(f"switch_batch_bytes must be None or an int >= 0, got {switch_batch_bytes!r}")
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
@@ -224,6 +240,7 @@ class ShardedBuffer:
             low, high = SWITCH_BATCH_BYTES
             switch_batch_bytes = min(high, max(low, received // 4))
         self.switch_batch_bytes = switch_batch_bytes
+        self.batch_page_calls = bool(batch_page_calls)
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
         self.state = "training"
         self._unpack = [None] * len(self.layout.units)
@@ -297,9 +314,11 @@ class ShardedBuffer:
         self.gen.wait_released()  # a deferred release of the last switch back must be done first
         works, mapped = [], []  # mapped: (unit, byte offsets this call mapped for it)
         for batch in switch_batches(self.layout, self.switch_batch_bytes if self._coalesce else 0):
-            for u in batch:
+            # host-side mapping; the previous batch's all-gathers are in flight
+            steps = [batch] if self.batch_page_calls else [[u] for u in batch]
+            for units in steps:
                 try:
-                    offsets = self.gen.map_unit(u)  # host-side; the previous batch's all-gathers are in flight
+                    done = self.gen.map_units(units) if self.batch_page_calls else {units[0]: self.gen.map_unit(units[0])}
                 except RuntimeError as e:
                     for w in works:
                         w.wait()
@@ -307,11 +326,11 @@ class ShardedBuffer:
                         torch.cuda.current_stream(self.device).synchronize()
                     for v, offs in mapped:
                         self.gen.unmap_unit(v, offs)
-                    raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map unit "
-                                       f"{self.layout.units[u].name!r}; the buffer is back in training state: "
-                                       f"{e}") from e
-                if offsets:
-                    mapped.append((u, offsets))
+                    names = ("units " if len(units) > 1 else "unit ") + ", ".join(
+                        repr(self.layout.units[u].name) for u in units)
+                    raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map {names}; "
+                                       f"the buffer is back in training state: {e}") from e
+                mapped += [(u, offs) for u, offs in done.items() if offs]
             if self.layout.num_shards > 1:
                 works.append(self._gather_slices(batch))
         for w in works:

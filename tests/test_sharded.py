@@ -265,6 +265,15 @@ class _FakeVmm:
         assert off not in self.maps, f"offset {off} mapped twice"
         self.maps[off] = n
 
+    def map_pieces(self, pieces):
+        """All or nothing, as VmmRange.map_pieces; counts its calls."""
+        self.piece_calls = getattr(self, "piece_calls", 0) + 1
+        if any(off in self.fail_at for off, _ in pieces):
+            raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
+        for off, n in pieces:
+            assert off not in self.maps, f"offset {off} mapped twice"
+        self.maps.update(pieces)
+
     def unmap(self, off):
         del self.maps[off]
 
@@ -315,6 +324,62 @@ def test_map_unit_maps_only_what_is_missing():
     gen.release_others_deferred()
     assert gen.mapped_bytes() == own
     gen.release_others_deferred()  # nothing to release: the range is not called
+
+
+def test_map_units_maps_a_batch_in_one_call():
+    """map_units: the missing pages of several units in one map_pieces call; kept pages are skipped;
+    a failure maps nothing (all or nothing); units with nothing missing are left out of the result."""
+    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharded import GenerationBuffer
+
+    layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=4, tp_size=1, element_size=4)
+    gen = GenerationBuffer(layout, 1, torch.float32, torch.device("cpu"), use_vmm=False)
+    gen.vmm = vmm = _FakeVmm()
+    for off, n in layout.shard_in_gen(1):
+        vmm.map(off * 4, n * 4)
+    others = {u: [off for off, _ in gen._other_shard_bytes(u)] for u in range(len(layout.units))}
+    vmm.map(others[1][0], 4)  # one page of unit 1 kept from an earlier switch
+    vmm.fail_at = {others[2][1]}
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        gen.map_units([0, 1, 2])
+    assert not any(vmm.is_mapped(o) for u in (0, 2) for o in others[u]) and vmm.is_mapped(others[1][0])
+    vmm.fail_at = set()
+    assert gen.map_units([0, 1, 2]) == {0: others[0], 1: others[1][1:], 2: others[2]}
+    assert vmm.piece_calls == 2
+    assert gen.map_units([0, 1]) == {} and vmm.piece_calls == 2  # nothing missing: no call
+    assert gen.map_units(list(range(len(layout.units)))) == {u: others[u] for u in range(3, len(layout.units))}
+
+
+def test_batched_page_calls_switch_and_failure(monkeypatch):
+    """ShardedBuffer(batch_page_calls=True): the switch maps through map_units (per switch batch), a
+    failure names the unit(s) and unmaps only what this call mapped."""
+    from hybridengine.sharded import GenerationBuffer, ShardedBuffer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        specs = model_specs(**MODELS["odd-hidden"])
+        buf = ShardedBuffer(specs, dtype=torch.float32, batch_page_calls=True)
+        params = full_params(specs, torch.float32)
+        buf.load_(params)
+        calls, unmapped = [], []
+
+        def fake_map_units(self, units):
+            calls.append(list(units))
+            if 2 in units:
+                raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
+            return {u: [1000 * u] for u in units if u != 0}
+
+        monkeypatch.setattr(GenerationBuffer, "map_unit", lambda self, u: pytest.fail("map_unit called"))
+        monkeypatch.setattr(GenerationBuffer, "map_units", fake_map_units)
+        monkeypatch.setattr(GenerationBuffer, "unmap_unit", lambda self, u, offsets=None: unmapped.append((u, offsets)))
+        with pytest.raises(RuntimeError, match=r"rank 0: switch_to_generation could not map unit 'layers.1'.*OUT_OF_MEMORY"):
+            buf.switch_to_generation()
+        assert buf.state == "training" and unmapped == [(1, [1000])] and calls[-1] == [2]
+        monkeypatch.undo()
+        buf.switch_to_generation()
+        assert all(torch.equal(v, params[n]) for n, v in buf.generation_views().items())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_switch_batch_bytes_argument():
