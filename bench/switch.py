@@ -64,6 +64,21 @@ IDLE_GAP_S = 0.5
 """Idle time before the `after_idle_s` train->gen rows (a training step is longer than that)."""
 
 
+def _to_gen_after_idle(ctx: Ctx, buf) -> tuple[list[float], list[float]]:
+    """Timed train->gen switches, each IDLE_GAP_S after the previous release ended: (seconds, driver
+    page-call seconds where the VMM timings exist)."""
+    times, driver = [], []
+    for _ in range(ctx.reps(10)):
+        time.sleep(IDLE_GAP_S)
+        t, pages = _timed_to_gen(ctx, buf)
+        times.append(t)
+        if pages is not None:
+            driver.append(pages)
+        buf.switch_to_training()
+        buf.wait_released()
+    return times, driver
+
+
 def switch(ctx: Ctx) -> None:
     from hybridengine.sharded import ShardedBuffer
 
@@ -113,28 +128,13 @@ def switch(ctx: Ctx) -> None:
                 # The same train->gen after the pages went back half a second earlier, as in an RL loop where a
                 # training step runs between the two switches: back to back (above) the driver's page calls
                 # take ~2-4x longer right after a release (per-call log of run 20261130T164536Z-71bb).
-                after_gap, gap_driver = [], []
-                for _ in range(ctx.reps(10)):
-                    time.sleep(IDLE_GAP_S)
-                    t, pages = _timed_to_gen(ctx, buf)
-                    after_gap.append(t)
-                    if pages is not None:
-                        gap_driver.append(pages)
-                    buf.switch_to_training()
-                    buf.wait_released()
+                after_gap, gap_driver = _to_gen_after_idle(ctx, buf)
                 # The same with each switch batch's pages in one allocation (ShardedBuffer(batch_page_calls=True):
                 # ~5 cuMemCreate / cuMemSetAccess per switch instead of ~30), as a same-run variant.
                 batched, batched_driver = [], []
                 if buf.use_vmm:
                     buf.batch_page_calls = True
-                    for _ in range(ctx.reps(10)):
-                        time.sleep(IDLE_GAP_S)
-                        t, pages = _timed_to_gen(ctx, buf)
-                        batched.append(t)
-                        if pages is not None:
-                            batched_driver.append(pages)
-                        buf.switch_to_training()
-                        buf.wait_released()
+                    batched, batched_driver = _to_gen_after_idle(ctx, buf)
                     buf.batch_page_calls = False
             to_gen, to_train, released = ctx.slowest(to_gen), ctx.slowest(to_train), ctx.slowest(released)
             after_gap = ctx.slowest(after_gap)

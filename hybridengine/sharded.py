@@ -318,7 +318,8 @@ class ShardedBuffer:
             steps = [batch] if self.batch_page_calls else [[u] for u in batch]
             for units in steps:
                 try:
-                    done = self.gen.map_units(units) if self.batch_page_calls else {units[0]: self.gen.map_unit(units[0])}
+                    done = (self.gen.map_units(units) if self.batch_page_calls
+                            else {units[0]: self.gen.map_unit(units[0])})
                 except RuntimeError as e:
                     for w in works:
                         w.wait()
