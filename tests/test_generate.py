@@ -546,3 +546,26 @@ def test_cuda_kv_cache_is_capped_by_what_running_sequences_can_hold(monkeypatch)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, total))
         engine._allocate_kv()
         assert sizes[-1] == (cap if expect_cap else 40), (free_gib, sizes)
+
+
+def test_async_decode_guards():
+    """The async-decode guards: prev_tokens on a prefill, a placeholder id with no device ids, a sequence
+    missing from the previous step's batch."""
+    from hybridengine.engine import _rows
+    from hybridengine.runner import Batch
+    from hybridengine.scheduler import PLACEHOLDER
+
+    engine, _ = make_engine("tiny-qwen2")
+    with engine.rollout():
+        runner = engine._runner
+        seq = Sequence(request=0, token_ids=[1, 2, PLACEHOLDER], num_prompt_tokens=2, params=SamplingParams(),
+                       block_table=[0])
+        with pytest.raises(RuntimeError, match="prev_tokens is for decode steps only"):
+            runner.step(Batch([seq], True), (torch.zeros(1, dtype=torch.int64), None))
+        with pytest.raises(RuntimeError, match="input token is still on the device and no prev_tokens"):
+            runner.step(Batch([seq], False))
+    other = Sequence(request=1, token_ids=[3], num_prompt_tokens=1, params=SamplingParams())
+    with pytest.raises(RuntimeError, match="has no token in the previous step"):
+        _rows([seq, other], [seq], torch.device("cpu"))
+    assert _rows([seq], [seq, other], torch.device("cpu")) is None
+    assert _rows([other], [seq, other], torch.device("cpu")).tolist() == [1]
