@@ -115,6 +115,8 @@ def test_map_pieces_one_allocation_few_calls():
         r.map_pieces([(0, g), (g, g)])
     with pytest.raises(ValueError, match="overlap"):
         r.map_pieces([(0, 2 * g), (g, 2 * g)])
+    with pytest.raises(ValueError, match="non-empty lists of the same length"):
+        r.map_pieces([])
     assert r.mapped_bytes() == g and not r.is_mapped(0)  # failed calls changed nothing
     r.map_pieces([(4 * g, g)])  # a run without any other mapping: one cuMemSetAccess of its own
     r.map(0, g)
