@@ -410,6 +410,16 @@ def _switch_peers_table(rows: list[dict]) -> str:
                      f"speed vs {PEER['switch']}", "peak GiB torch", "peak GiB nvml", "run"], body) + str(notes))
 
 
+def _gather_label(r: dict) -> str:
+    """How a tg > 1 unit-gather row unpacked: all of the unit (staged; rows before the direct gather have
+    no `gather` key) or only its row-parallel and replicated parameters (direct)."""
+    if not r["case"].get("unpack"):
+        return ""
+    if r["case"].get("gather") == "direct":
+        return ", column params in place + unpack of the rest"
+    return " + unpack" + (" (staged, not the default)" if r["case"].get("gather") == "staged" else "")
+
+
 def unit_gather_section(rows: list[dict]) -> str:
     sel = latest(rows, "unit_gather")
     notes = Notes()
@@ -429,7 +439,7 @@ def unit_gather_section(rows: list[dict]) -> str:
             nccl_mark = notes.other_run(nccl_bw, run)
             for r in (r for r in ours if r["case"].get("pipelined", 0) == piped):
                 bw = twin(rows, r, "busbw_GB_per_s")
-                what = (f"hybridengine tg={r['case'].get('tg')}" + (" + unpack" if r["case"].get("unpack") else "")
+                what = (f"hybridengine tg={r['case'].get('tg')}" + _gather_label(r)
                         + (f", {piped} layers pipelined (per layer)" if piped else ""))
                 body.append([model, sig(r["case"].get("MB")), what, dur_spread(r), sig(bw and bw["value"]),
                              ratio(bw and bw["value"], nccl_bw and nccl_bw["value"]) + nccl_mark,
@@ -965,13 +975,14 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
             body.append([f"Switch gen->train, {model} tg={tg}: the call, and until its pages are released (host thread)",
                          dur(back["value"]), dur(released["value"]), "–", "< 1 ms", _where(g)])
 
-    ug = [r for r in latest(rows, "unit_gather") if r["provider"] == "hybridengine" and r["metric"] == "busbw_GB_per_s"]
+    ug = [r for r in latest(rows, "unit_gather") if r["provider"] == "hybridengine" and r["metric"] == "busbw_GB_per_s"
+          and r["case"].get("gather") != "staged"]
     model = _headline_model(ug)
     for r in sorted((r for r in ug if r["model"] == model), key=lambda r: (r["case"].get("pipelined", 0),
                                                                            r["case"].get("tg", 0))):
         piped = r["case"].get("pipelined", 0)
         nccl = _unit_gather_nccl(rows, r["run_id"], model, piped)
-        unpack = " + unpack" if r["case"].get("unpack") else ""
+        unpack = _gather_label(r)
         unpack += f", {piped} layers pipelined vs {piped} all-gathers back to back" if piped else ""
         body.append([f"Unit gather busbw / NCCL all-gather busbw, {model} layer ({sig(r['case'].get('MB'))} MB), "
                      f"tg={r['case'].get('tg')}{unpack}", f"{sig(r['value'])} GB/s",

@@ -129,15 +129,21 @@ def switch(ctx: Ctx) -> None:
                 # training step runs between the two switches: back to back (above) the driver's page calls
                 # take ~2-4x longer right after a release (per-call log of run 20261130T164536Z-71bb).
                 after_gap, gap_driver = _to_gen_after_idle(ctx, buf)
-                # The same with each switch batch's pages in one allocation (ShardedBuffer(batch_page_calls=True):
+                # The same with one cuMemSetAccess per switch batch (ShardedBuffer(batch_page_calls=True):
                 # ~5 cuMemCreate / cuMemSetAccess per switch instead of ~30), as a same-run variant.
-                batched, batched_driver = [], []
+                batched, batched_driver, batched_error = [], [], None
                 if buf.use_vmm:
                     buf.batch_page_calls = True
-                    batched, batched_driver = _to_gen_after_idle(ctx, buf)
+                    try:  # a failed switch leaves the buffer in training (the contract): the other rows still run
+                        batched, batched_driver = _to_gen_after_idle(ctx, buf)
+                    except RuntimeError as e:
+                        batched_error = f"failed: {type(e).__name__}: {str(e)[:300]}"
                     buf.batch_page_calls = False
             to_gen, to_train, released = ctx.slowest(to_gen), ctx.slowest(to_train), ctx.slowest(released)
             after_gap = ctx.slowest(after_gap)
+            if batched_error:
+                ctx.rec.not_run("switch_detail", "hybridengine", model, batched_error, **case,
+                                what="train->gen, batched page calls")
             if batched:
                 variant = {**case, "direction": "train_to_gen", "after_idle_s": IDLE_GAP_S, "batch_page_calls": True}
                 ctx.rec.add("switch_detail", "hybridengine", model, {**variant, "what": "train->gen, batched page calls"},
@@ -242,17 +248,19 @@ def unit_gather(ctx: Ctx) -> None:
         specs, cfg = _specs(model)
         layer = [s for s in specs if s.unit == "layers.0"]
         unit_bytes = None
-        for tp in [d for d in (1, 2) if ctx.world % d == 0]:
-            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp)
+        for tp, direct in _gather_variants(ctx.world):
+            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=direct)
             _fill(buf)
             unit = buf.layout.units[0]
             unit_bytes = unit.numel * buf.layout.element_size
-            times = ctx.measure(lambda: buf.gather_unit(0), warmup=3, repeats=20, desc=f"gather tg={tp}")
+            name = f"tg={tp}" + ("" if direct is None else f" {_GATHER[direct]}")
+            times = ctx.measure(lambda: buf.gather_unit(0), warmup=3, repeats=20, desc=f"gather {name}")
             case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1)
+            case |= {} if direct is None else {"gather": _GATHER[direct]}
             ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
             ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",
                         [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
-            ctx.log(f"  unit gather {model} tg={tp}: {quantiles(times)[1] * 1e3:.3f} ms for {unit_bytes / 1e6:.0f} MB")
+            ctx.log(f"  unit gather {model} {name}: {quantiles(times)[1] * 1e3:.3f} ms for {unit_bytes / 1e6:.0f} MB")
             buf.close()
         _pipelined(ctx, model, specs, dtype)
         raw = _nccl_floor(ctx, unit_bytes // 2, dtype, "raw all-gather")
@@ -263,6 +271,19 @@ def unit_gather(ctx: Ctx) -> None:
         _fsdp2_layer(ctx, model, cfg)
 
 
+_GATHER = {True: "direct", False: "staged"}
+"""Case value of the training gather at N == tg: column-parallel parameters gathered in place (direct,
+the default there) or the whole unit gathered and unpacked (staged)."""
+
+
+def _gather_variants(world: int) -> list[tuple[int, bool | None]]:
+    """(tg, direct_gather) pairs the unit gathers run: both gathers where N == tg > 1."""
+    out = []
+    for tp in (d for d in (1, 2) if world % d == 0):
+        out += [(tp, True), (tp, False)] if tp == world > 1 else [(tp, None)]
+    return out
+
+
 def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
     """Training's steady state: `layers` decoder layers prefetched back to back (all-gathers on the side
     stream, unpacks on their own stream) and consumed in order, time per layer; against the same
@@ -271,8 +292,9 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
 
     names = {f"layers.{i}" for i in range(layers)}
     sub = [s for s in specs if s.unit in names]
-    for tp in [d for d in (1, 2) if ctx.world % d == 0]:
-        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp)
+    for tp, direct in _gather_variants(ctx.world):
+        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=direct)
+        name = f"tg={tp}" + ("" if direct is None else f" {_GATHER[direct]}")
         _fill(buf)
         n = len(buf.layout.units)
         unit_bytes = buf.layout.units[0].numel * buf.layout.element_size
@@ -283,12 +305,13 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
             for u in range(n):
                 buf.gather_unit(u)
 
-        times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined tg={tp}")]
+        times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined {name}")]
         case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n)
+        case |= {} if direct is None else {"gather": _GATHER[direct]}
         ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
         ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",
                     [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
-        ctx.log(f"  unit gather {model} tg={tp}, {n} layers pipelined: {quantiles(times)[1] * 1e3:.3f} ms per layer")
+        ctx.log(f"  unit gather {model} {name}, {n} layers pipelined: {quantiles(times)[1] * 1e3:.3f} ms per layer")
         buf.close()
     layers = n
     per_rank = unit_bytes // ctx.world // 2

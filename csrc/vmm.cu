@@ -130,27 +130,30 @@ int vmm_unmap(uint64_t address, size_t bytes, uint64_t handle) {
   const DriverApi& a = api();
   if (a.status != CUDA_SUCCESS) return a.status;
   const CUresult r = timed(kUnmap, [&] { return a.unmap(static_cast<CUdeviceptr>(address), bytes); });
-  if (r != CUDA_SUCCESS || handle == 0) return r;  // 0: a shared allocation whose handle vmm_map_pieces released
+  if (r != CUDA_SUCCESS || handle == 0) return r;
   return timed(kRelease, [&] { return a.release(static_cast<CUmemGenericAllocationHandle>(handle)); });
 }
 
 int vmm_map_pieces(const uint64_t* addresses, const size_t* bytes, int num_pieces, const uint64_t* access_begin,
-                   const size_t* access_bytes, int num_access, int device) {
+                   const size_t* access_bytes, int num_access, int device, uint64_t* handles) {
   const DriverApi& a = api();
   if (a.status != CUDA_SUCCESS) return a.status;
-  size_t total = 0;
-  for (int i = 0; i < num_pieces; ++i) total += bytes[i];
   CUmemAllocationProp prop = device_prop(device);
-  CUmemGenericAllocationHandle h = 0;
-  CUresult r = timed(kCreate, [&] { return a.create(&h, total, &prop, 0); });
-  if (r != CUDA_SUCCESS) return r;
+  CUresult r = CUDA_SUCCESS;
   int mapped = 0;
-  size_t offset = 0;
   for (; mapped < num_pieces; ++mapped) {
-    const CUdeviceptr ptr = static_cast<CUdeviceptr>(addresses[mapped]);
-    r = timed(kMap, [&] { return a.map(ptr, bytes[mapped], offset, h, 0); });
+    // cuMemMap's offset into an allocation must be 0 (CUDA_ERROR_NOT_SUPPORTED otherwise, seen on an
+    // H200 with driver 580), so each piece is an allocation of its own.
+    CUmemGenericAllocationHandle h = 0;
+    r = timed(kCreate, [&] { return a.create(&h, bytes[mapped], &prop, 0); });
     if (r != CUDA_SUCCESS) break;
-    offset += bytes[mapped];
+    const CUdeviceptr ptr = static_cast<CUdeviceptr>(addresses[mapped]);
+    r = timed(kMap, [&] { return a.map(ptr, bytes[mapped], 0, h, 0); });
+    if (r != CUDA_SUCCESS) {
+      a.release(h);
+      break;
+    }
+    handles[mapped] = static_cast<uint64_t>(h);
   }
   if (r == CUDA_SUCCESS) {
     CUmemAccessDesc access = {};
@@ -162,10 +165,12 @@ int vmm_map_pieces(const uint64_t* addresses, const size_t* bytes, int num_piece
     }
   }
   if (r != CUDA_SUCCESS) {
-    for (int i = 0; i < mapped; ++i) a.unmap(static_cast<CUdeviceptr>(addresses[i]), bytes[i]);
+    for (int i = 0; i < mapped; ++i) {
+      a.unmap(static_cast<CUdeviceptr>(addresses[i]), bytes[i]);
+      a.release(static_cast<CUmemGenericAllocationHandle>(handles[i]));
+      handles[i] = 0;
+    }
   }
-  // The mappings hold the memory from here on (on failure none is left, and this frees it).
-  timed(kRelease, [&] { return a.release(h); });
   return r;
 }
 

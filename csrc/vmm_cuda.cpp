@@ -80,14 +80,13 @@ class VmmRange : public torch::CustomClassHolder {
     return err;
   }
 
-  // Back the pieces [offsets[i], offsets[i] + sizes[i]) with ONE physical allocation (one
-  // cuMemCreate, a cuMemMap per piece at its offset into it) and set their access in one
-  // cuMemSetAccess per maximal fully-mapped run holding a piece: pieces separated only by ranges
-  // already mapped (a switch batch's own shards) share one call. Driver calls have a fixed cost each
-  // (profile, 7B switch: ~50 us per cuMemSetAccess, ~25 us per cuMemCreate), so a switch batch of
-  // several units pays it once instead of per unit. All or nothing. Each piece is unmapped on its
-  // own later (unmap, unmap_after_current_stream); the allocation's memory goes back to the driver
-  // when its last piece is unmapped, so the pieces of one call are meant to be released together.
+  // Back the pieces [offsets[i], offsets[i] + sizes[i]) with memory (a cuMemCreate + cuMemMap each:
+  // the driver maps an allocation only from its start) and set their access in one cuMemSetAccess
+  // per maximal fully-mapped run holding a piece: pieces separated only by ranges already mapped (a
+  // switch batch's own shards) share one call. Driver calls have a fixed cost each (profile, 7B
+  // switch: ~50 us per cuMemSetAccess, ~25 us per cuMemCreate, ~2 us per cuMemMap), and
+  // cuMemSetAccess is the dearest, so a switch batch of several units pays it once instead of per
+  // unit. All or nothing. Each piece is a mapping like map()'s: unmap(offset) releases it.
   std::string map_pieces(std::vector<int64_t> offsets, std::vector<int64_t> sizes) {
     std::string pending = wait_released();
     if (!pending.empty()) return pending;
@@ -144,14 +143,18 @@ class VmmRange : public torch::CustomClassHolder {
       addresses.push_back(address_ + static_cast<uint64_t>(offset));
       bytes.push_back(static_cast<size_t>(n));
     }
+    std::vector<uint64_t> handles(pieces.size(), 0);
     std::string err = describe(
         vmm_map_pieces(addresses.data(), bytes.data(), static_cast<int>(pieces.size()), access_begin.data(),
-                       access_bytes.data(), static_cast<int>(access_begin.size()), static_cast<int>(device_)),
-        "one cuMemCreate + " + std::to_string(pieces.size()) + " cuMemMap + " + std::to_string(access_begin.size()) +
+                       access_bytes.data(), static_cast<int>(access_begin.size()), static_cast<int>(device_),
+                       handles.data()),
+        std::to_string(pieces.size()) + " cuMemCreate + cuMemMap and " + std::to_string(access_begin.size()) +
             " cuMemSetAccess for pieces at offsets " + std::to_string(lo) + ".." + std::to_string(hi));
     if (!err.empty()) return err;
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& [offset, n] : pieces) mappings_[offset] = Mapping{static_cast<size_t>(n), 0};
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      mappings_[pieces[i].first] = Mapping{static_cast<size_t>(pieces[i].second), handles[i]};
+    }
     return "";
   }
 
@@ -255,7 +258,7 @@ class VmmRange : public torch::CustomClassHolder {
  private:
   struct Mapping {
     size_t bytes;
-    uint64_t handle;  // 0: one piece of a map_pieces allocation (its handle released at once)
+    uint64_t handle;
   };
 
   // Wait for `done`, then unmap and release everything in releasing_ (on the releaser thread, or

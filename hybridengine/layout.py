@@ -134,7 +134,7 @@ class Piece:
     """Elements reserved for the piece (vocab padding included)."""
 
 
-def _merge(rows: list[tuple[int, int, int]]) -> torch.Tensor:
+def merge_segments(rows: list[tuple[int, int, int]]) -> torch.Tensor:
     """Segment table from (src, dst, numel) rows, adjacent runs merged, empty runs dropped."""
     merged: list[list[int]] = []
     for s, d, n in rows:
@@ -187,11 +187,11 @@ class UnitLayout:
 
     def pack_table(self) -> torch.Tensor:
         """Segments natural -> slice-major (replicated params written into every slice)."""
-        return _merge(self._rows(to_natural=False))
+        return merge_segments(self._rows(to_natural=False))
 
     def unpack_table(self) -> torch.Tensor:
         """Segments slice-major -> natural (replicated params read from slice 0)."""
-        return _merge(self._rows(to_natural=True))
+        return merge_segments(self._rows(to_natural=True))
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .layout import ParamSpec, ShardedLayout
+from .layout import ParamSpec, ShardedLayout, merge_segments
 from .ops import prepare_table, segment_copy
 from .vmm import VmmRange
 
@@ -111,7 +111,7 @@ class GenerationBuffer:
         return done
 
     def map_units(self, units: list[int]) -> dict[int, list[int]]:
-        """`map_unit` for several units with one physical allocation and the fewest driver calls
+        """`map_unit` for several units with one cuMemSetAccess per contiguous run of them
         (`VmmRange.map_pieces`); all or nothing. Returns {unit: byte offsets this call mapped}."""
         if self.vmm is None:
             return {}
@@ -183,6 +183,18 @@ class _Works:
 
 
 @dataclass(slots=True)
+class _DirectPlan:
+    """How `direct_gather` gathers one unit: `direct` rows (natural offset, numel, offset in the shard,
+    slot numel) gather into the natural buffer as they are; `staged` rows (offset in the shard, slot
+    numel, offset in the staging buffer) gather into staging, which `table` unpacks."""
+
+    direct: list[tuple[int, int, int, int]]
+    staged: list[tuple[int, int, int]]
+    stage_numel: int
+    table: torch.Tensor | None
+
+
+@dataclass(slots=True)
 class _Prefetch:
     natural: torch.Tensor
     event: torch.cuda.Event | None
@@ -194,14 +206,17 @@ class ShardedBuffer:
     def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
                  timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None,
-                 batch_page_calls: bool = False):
+                 batch_page_calls: bool = False, direct_gather: bool | None = None):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
         `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
         (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES).
-        `batch_page_calls` (VMM): map each switch batch's pages with one physical allocation, one
-        cuMemSetAccess per run of units (`GenerationBuffer.map_units`) instead of a cuMemCreate and a
-        cuMemSetAccess per (unit, shard): ~5 driver calls of each kind per switch instead of ~30. Off by
-        default until it is measured on two GPUs (it has not run on a GPU yet)."""
+        `batch_page_calls` (VMM): set the access of each switch batch's pages with one cuMemSetAccess per
+        contiguous run of units (`GenerationBuffer.map_units`) instead of one per (unit, shard): ~5
+        cuMemSetAccess per switch instead of ~30 (still a cuMemCreate + cuMemMap per (unit, shard)).
+        `direct_gather` (N == tg > 1, where each rank's shard is its whole TP slice): `gather_unit`
+        all-gathers each column-parallel parameter straight into its natural place (one NCCL group
+        call of one all-gather per parameter) and only the row-parallel and replicated ones through a
+        staging buffer and the segment copy, which overlaps the column gathers; None: on where it applies."""
         if switch_batch_bytes is not None and (not isinstance(switch_batch_bytes, int) or switch_batch_bytes < 0):
             raise ValueError(f"switch_batch_bytes must be None or an int >= 0, got {switch_batch_bytes!r}")
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
@@ -241,6 +256,12 @@ class ShardedBuffer:
             switch_batch_bytes = min(high, max(low, received // 4))
         self.switch_batch_bytes = switch_batch_bytes
         self.batch_page_calls = bool(batch_page_calls)
+        direct_ok = m == 1 and tp_size > 1
+        if direct_gather and not direct_ok:
+            raise ValueError(f"direct_gather=True needs world_size == tp_size > 1 (each shard a whole TP slice), "
+                             f"got world_size={self.world_size}, tp_size={tp_size}")
+        self.direct_gather = direct_ok if direct_gather is None else bool(direct_gather)
+        self._direct: list[_DirectPlan | None] = [None] * len(self.layout.units)
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
         self.state = "training"
         self._unpack = [None] * len(self.layout.units)
@@ -252,6 +273,7 @@ class ShardedBuffer:
         # NCCL group calls (one launch for several units' all-gathers) need the NCCL backend.
         self._coalesce = (cuda and self.micro_dp_group is not None
                           and dist.get_backend(self.micro_dp_group) == "nccl")
+        self._coalesce_all = cuda and not self.local and dist.get_backend(self.group) == "nccl"
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -426,8 +448,78 @@ class ShardedBuffer:
         return natural
 
     def _gather(self, u: int) -> torch.Tensor:
+        if self.direct_gather:
+            return self._gather_direct(u, None)
         full = self._gather_packed(u)
         return self._unpack_unit(u, full) if self.layout.tp_size > 1 else full
+
+    def _direct_plan(self, u: int) -> _DirectPlan:
+        if self._direct[u] is None:
+            unit, tp = self.layout.units[u], self.layout.tp_size
+            direct, staged, rows, stage = [], [], [], 0
+            for piece in (p for p in unit.pieces if p.slice_index == 0):  # offsets in every slice alike
+                spec = next(s for s in unit.params if s.name == piece.name)
+                base = unit.natural_offsets[spec.name]
+                if spec.role in ("column", "vocab") and piece.slot_numel * tp == spec.numel:
+                    direct.append((base, spec.numel, piece.offset, piece.slot_numel))
+                    continue
+                staged.append((piece.offset, piece.slot_numel, stage))
+                for t in range(1 if spec.role == "replicated" else tp):  # replicated: slice 0's copy
+                    cursor = stage + t * piece.slot_numel
+                    for off, n in spec.natural_segments(t, tp):
+                        rows.append((cursor, base + off, n))
+                        cursor += n
+                stage += piece.slot_numel * tp
+            table = None
+            if rows:
+                table = prepare_table(merge_segments(rows), self.layout.element_size, src_numel=stage,
+                                      dst_numel=unit.natural_numel, device=self.device)
+            self._direct[u] = _DirectPlan(direct, staged, stage, table)
+        return self._direct[u]
+
+    def _all_gathers(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """all_gather_into_tensor(out, inp) for each pair: one NCCL group call (a gloo call each)."""
+        if not pairs:
+            return
+        if self._coalesce_all and len(pairs) > 1:
+            with dist._coalescing_manager(group=self.group, device=self.device):
+                for out, inp in pairs:
+                    dist.all_gather_into_tensor(out, inp, group=self.group)
+        else:
+            for out, inp in pairs:
+                _all_gather(out, inp, group=self.group)
+
+    def _gather_direct(self, u: int, unpack_stream: torch.cuda.Stream | None) -> tuple | torch.Tensor:
+        """`direct_gather`: unit u in natural layout. On the current stream: the staged all-gathers,
+        then the direct ones; the staged unpack runs on the unpack stream meanwhile (CUDA). With
+        `unpack_stream` given, returns (natural, the unpack stream's event) for the caller to join;
+        else the current stream waits for the unpack itself."""
+        plan, unit = self._direct_plan(u), self.layout.units[u]
+        shard = self.gen.own_shard(u)
+        dtype = shard.dtype
+        natural = torch.empty(unit.natural_numel, dtype=dtype, device=self.device)
+        stage = torch.empty(plan.stage_numel, dtype=dtype, device=self.device)
+        self._all_gathers([(stage[s:s + n * self.world_size], shard[o:o + n]) for o, n, s in plan.staged])
+        side = unpack_stream if unpack_stream is not None else self._unpack_stream
+        if side is None:  # CPU: in order
+            self._all_gathers([(natural[b:b + n], shard[o:o + k]) for b, n, o, k in plan.direct])
+            if plan.table is not None:
+                segment_copy(stage, natural, plan.table)
+            return natural
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            if plan.table is not None:
+                segment_copy(stage, natural, plan.table)
+        stage.record_stream(side)
+        natural.record_stream(side)
+        self._all_gathers([(natural[b:b + n], shard[o:o + k]) for b, n, o, k in plan.direct])
+        if unpack_stream is not None:
+            event = torch.cuda.Event()
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            event.record(side)
+            return natural, event
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return natural
 
     def prefetch_unit(self, u: int) -> None:
         """Start gathering unit u (CUDA: on a side stream, so it overlaps the current unit's compute).
@@ -440,6 +532,11 @@ class ShardedBuffer:
             self._prefetched[u] = _Prefetch(self._gather(u), None)
             return
         self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.direct_gather:
+            with torch.cuda.stream(self._side_stream):
+                natural, event = self._gather_direct(u, self._unpack_stream)
+            self._prefetched[u] = _Prefetch(natural, event)
+            return
         with torch.cuda.stream(self._side_stream):
             natural = self._gather_packed(u)
         last = self._side_stream

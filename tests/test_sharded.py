@@ -132,10 +132,11 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_
         buf.close()
 
 
-def _check_world(rank, world_size, init_file, model, dtype, errors):
+def _check_world(rank, world_size, init_file, model, dtype, *rest):
+    *kwargs, errors = rest  # optional ShardedBuffer kwargs (a dict) before the error queue
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        check_sharded_buffer(rank, world_size, model, dtype)
+        check_sharded_buffer(rank, world_size, model, dtype, **(kwargs[0] if kwargs else {}))
     except Exception:  # noqa: BLE001  (reported to the parent with the rank)
         import traceback
 
@@ -169,6 +170,54 @@ def test_switch_gathers_and_reduce_scatter(world_size):
 
 def test_bf16_two_ranks():
     spawn(_check_world, 2, "tied-no-bias", torch.bfloat16)
+
+
+def test_staged_gather_when_tg_is_n():
+    """direct_gather=False: at N == tg the training gather also goes through one all-gather and the
+    unpack of the whole unit (the default there gathers column-parallel parameters in place)."""
+    spawn(_check_world, 2, "odd-hidden", torch.float32, {"direct_gather": False})
+
+
+def test_direct_gather_plan_and_argument():
+    """The plan of direct_gather at N == tg: column-parallel (and undivided-vocab) parameters gather in
+    place, the rest is staged; the staging table maps every staged natural element exactly once.
+    direct_gather=True where a shard is not a whole TP slice raises."""
+    from hybridengine.layout import ShardedLayout
+    from hybridengine.ops import segment_copy_ref
+    from hybridengine.sharded import ShardedBuffer
+
+    specs = model_specs(**MODELS["odd-hidden"])
+    with pytest.raises(ValueError, match="direct_gather=True needs world_size == tp_size > 1"):
+        ShardedBuffer(specs, dtype=torch.float32, direct_gather=True)
+    buf = ShardedBuffer(specs, dtype=torch.float32)
+    assert not buf.direct_gather  # alone, tg = 1: nothing to gather
+    for tp in (2, 3):
+        layout = ShardedLayout(specs, world_size=tp, tp_size=tp, element_size=4)
+        buf.layout, buf._direct = layout, [None] * len(layout.units)
+        for u, unit in enumerate(layout.units):
+            plan = buf._direct_plan(u)
+            direct = {b for b, *_ in plan.direct}
+            for s in unit.params:
+                in_place = s.role == "column" or (s.role == "vocab" and s.shape[0] % tp == 0)
+                assert (unit.natural_offsets[s.name] in direct) == in_place, (tp, s.name)
+            # Staging filled with each rank's slots (rank t's copy of slot k at stage + t * n), then
+            # unpacked: every staged parameter comes back whole, the in-place ones stay untouched.
+            full = torch.randn(unit.numel, dtype=torch.float64)
+            stage = torch.empty(plan.stage_numel, dtype=torch.float64)
+            for o, n, st in plan.staged:
+                for t in range(tp):
+                    stage[st + t * n:st + (t + 1) * n] = full[t * unit.slice_numel + o:t * unit.slice_numel + o + n]
+            natural = torch.full((unit.natural_numel,), float("nan"), dtype=torch.float64)
+            if plan.table is not None:
+                segment_copy_ref(stage, natural, plan.table)
+            expected = torch.empty(unit.natural_numel, dtype=torch.float64)
+            segment_copy_ref(full, expected, unit.unpack_table())
+            for s in unit.params:
+                got = layout.natural_view(natural, s.name)
+                if unit.natural_offsets[s.name] in direct:
+                    assert got.isnan().all(), (tp, s.name)
+                else:
+                    assert torch.equal(got, layout.natural_view(expected, s.name)), (tp, s.name)
 
 
 def test_mismatched_layouts_raise_on_every_rank():
