@@ -281,11 +281,12 @@ def _switch_rows(rows: list[dict]) -> list[dict]:
     return sorted(ours, key=lambda r: (r["model"] or "", r["case"].get("tg", 0)))
 
 
-def _after_idle(own: list[dict], g: dict) -> dict | None:
-    """The run's train->gen row of g's model and tg timed after an idle gap (bench switch's IDLE_GAP_S)."""
+def _after_idle(own: list[dict], g: dict, ahead: bool = False) -> dict | None:
+    """The run's train->gen row of g's model and tg timed after an idle gap (bench switch's IDLE_GAP_S);
+    `ahead`: the one whose pages were mapped during the gap (prepare_generation)."""
     return next((r for r in own if r["bench"] == "switch" and r["provider"] == "hybridengine" and r["model"] == g["model"]
                  and r["metric"] == "seconds" and r["case"].get("tg") == g["case"].get("tg")
-                 and "after_idle_s" in r["case"]), None)
+                 and "after_idle_s" in r["case"] and (r["case"].get("pages") == "mapped ahead") == ahead), None)
 
 
 def _gen_to_train(own: list[dict], model: str, tg) -> tuple[dict | None, dict | None]:
@@ -327,7 +328,7 @@ def switch_section(rows: list[dict]) -> str:
         mem = pick(own, bench="switch_memory", provider="hybridengine", model=model, case_tg=tg)
         nccl = pick(own, bench="switch", provider="nccl", model=model, metric="seconds", case_tg=tg)
         received = g["case"].get("received_GB")
-        idle = _after_idle(own, g)
+        idle, ahead = _after_idle(own, g), _after_idle(own, g, ahead=True)
         speeds = []
         for provider in ("deepspeed_zero3", "fsdp2"):
             p, _ = _switch_peer(rows, g, provider)
@@ -341,6 +342,7 @@ def switch_section(rows: list[dict]) -> str:
                      dur_spread(nccl) if nccl or received != 0 else "no bytes move",
                      ratio(g["value"], nccl and nccl["value"]),
                      "–" if idle is None else f"{dur_spread(idle)}, {ratio(idle['value'], nccl and nccl['value'])}",
+                     "–" if ahead is None else f"{dur_spread(ahead)}, {ratio(ahead['value'], nccl and nccl['value'])}",
                      *speeds, peak, mapped, run])
     text = ("## Train -> generate switch\n\n"
             "hybridengine: `switch_to_generation` (train->gen) and `switch_to_training` (gen->train) of the whole "
@@ -355,11 +357,14 @@ def switch_section(rows: list[dict]) -> str:
             "pages go back to the driver on a host thread after the GPU's queued work (\"pages released\": the "
             "call plus that wait, timed on the host). After idle: train->gen when the last release ended half a "
             "second earlier, as when a training step runs between the switches (the rows above switch back to back, "
-            "right after the release, when the driver's page calls are slower), and its ratio to NCCL.\n\n"
+            "right after the release, when the driver's page calls are slower), and its ratio to NCCL. Pages mapped "
+            "ahead: the same, with `prepare_generation()` called at the start of the gap (where a trainer calls it "
+            "after launching its last optimizer step before a rollout): the pages are mapped on a host thread "
+            "meanwhile and the switch only all-gathers; G then holds model/tg from that call on.\n\n"
             + table(["model", "tg", "train->gen (p20–p80)", "gen->train (p20–p80)", "gen->train, pages released",
                      "GB received/rank", "GB/s received",
                      "NCCL all-gather, same bytes", f"hybridengine / NCCL (goal <= {GOAL['switch_vs_nccl']})",
-                     "train->gen after idle, / NCCL",
+                     "train->gen after idle, / NCCL", "after idle, pages mapped ahead, / NCCL",
                      f"speed vs DeepSpeed ZeRO-3 gather (goal >= {GOAL['switch_vs_deepspeed']})", "speed vs FSDP2 unshard",
                      "peak NVML GiB (model/tg)", "mapped GiB", "run"], body) + str(notes))
     return text + "\n\n" + _switch_sweep_table(rows) + _switch_peers_table(rows)
@@ -416,8 +421,8 @@ def _gather_label(r: dict) -> str:
     if not r["case"].get("unpack"):
         return ""
     if r["case"].get("gather") == "direct":
-        return ", column params in place + unpack of the rest"
-    return " + unpack" + (" (staged, not the default)" if r["case"].get("gather") == "staged" else "")
+        return ", column params in place + unpack of the rest (direct_gather, not the default)"
+    return " + unpack"
 
 
 def unit_gather_section(rows: list[dict]) -> str:
@@ -956,6 +961,12 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                              f"step between the switches) / NCCL all-gather of the same bytes, {model} tg={tg}",
                              dur(idle["value"]), dur(nccl["value"]), ratio(idle["value"], nccl["value"]),
                              f"<= {GOAL['switch_vs_nccl']}", _where(idle)])
+            ahead = _after_idle(own, g, ahead=True)
+            if ahead is not None and g["case"].get("received_GB"):
+                body.append([f"Switch train->gen with its pages mapped ahead (`prepare_generation()` during the training "
+                             f"step) / NCCL all-gather of the same bytes, {model} tg={tg}",
+                             dur(ahead["value"]), dur(nccl["value"]), ratio(ahead["value"], nccl["value"]),
+                             f"<= {GOAL['switch_vs_nccl']}", _where(ahead)])
         ds, _ = _switch_peer(rows, g, "deepspeed_zero3")
         if ds is not None:
             body.append([f"Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, {model} tg={tg}", dur(g["value"]),
@@ -976,7 +987,7 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          dur(back["value"]), dur(released["value"]), "–", "< 1 ms", _where(g)])
 
     ug = [r for r in latest(rows, "unit_gather") if r["provider"] == "hybridengine" and r["metric"] == "busbw_GB_per_s"
-          and r["case"].get("gather") != "staged"]
+          and r["case"].get("gather") != "direct"]
     model = _headline_model(ug)
     for r in sorted((r for r in ug if r["model"] == model), key=lambda r: (r["case"].get("pipelined", 0),
                                                                            r["case"].get("tg", 0))):

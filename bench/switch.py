@@ -64,11 +64,15 @@ IDLE_GAP_S = 0.5
 """Idle time before the `after_idle_s` train->gen rows (a training step is longer than that)."""
 
 
-def _to_gen_after_idle(ctx: Ctx, buf) -> tuple[list[float], list[float]]:
+def _to_gen_after_idle(ctx: Ctx, buf, ahead: bool = False) -> tuple[list[float], list[float]]:
     """Timed train->gen switches, each IDLE_GAP_S after the previous release ended: (seconds, driver
-    page-call seconds where the VMM timings exist)."""
+    page-call seconds where the VMM timings exist). `ahead`: `prepare_generation()` at the start of
+    the gap (where a trainer calls it after launching its last optimizer step), so the pages are mapped
+    on a host thread before the switch."""
     times, driver = [], []
     for _ in range(ctx.reps(10)):
+        if ahead:
+            buf.prepare_generation()
         time.sleep(IDLE_GAP_S)
         t, pages = _timed_to_gen(ctx, buf)
         times.append(t)
@@ -131,6 +135,8 @@ def switch(ctx: Ctx) -> None:
                 after_gap, gap_driver = _to_gen_after_idle(ctx, buf)
                 # The same with one cuMemSetAccess per switch batch (ShardedBuffer(batch_page_calls=True):
                 # ~5 cuMemCreate / cuMemSetAccess per switch instead of ~30), as a same-run variant.
+                # Pages mapped ahead: prepare_generation() at the start of the gap, the switch only gathers.
+                ahead, _ = _to_gen_after_idle(ctx, buf, ahead=True)
                 batched, batched_driver, batched_error = [], [], None
                 if buf.use_vmm:
                     buf.batch_page_calls = True
@@ -154,6 +160,8 @@ def switch(ctx: Ctx) -> None:
                                 batched_driver)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen",
                                                            "after_idle_s": IDLE_GAP_S}, "seconds", after_gap)
+            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen", "after_idle_s": IDLE_GAP_S,
+                                                           "pages": "mapped ahead"}, "seconds", ctx.slowest(ahead))
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "seconds", to_gen)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train"}, "seconds", to_train)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train", "until": "pages released"},
@@ -193,6 +201,7 @@ def switch(ctx: Ctx) -> None:
                 ctx.log(f"    after {IDLE_GAP_S} s idle: train->gen {quantiles(after_gap)[1] * 1e3:.2f} ms; per call GPU "
                         f"{' '.join(f'{t * 1e3:.1f}' for t in after_gap)}; driver "
                         f"{' '.join(f'{t * 1e3:.1f}' for t in gap_driver)}")
+                ctx.log(f"    after {IDLE_GAP_S} s idle, pages mapped ahead: train->gen {quantiles(ahead)[1] * 1e3:.2f} ms")
             if tp == 1:
                 _batch_sweep(ctx, buf, model, case)
             buf.close()
@@ -249,7 +258,7 @@ def unit_gather(ctx: Ctx) -> None:
         layer = [s for s in specs if s.unit == "layers.0"]
         unit_bytes = None
         for tp, direct in _gather_variants(ctx.world):
-            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=direct)
+            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct))
             _fill(buf)
             unit = buf.layout.units[0]
             unit_bytes = unit.numel * buf.layout.element_size
@@ -272,8 +281,8 @@ def unit_gather(ctx: Ctx) -> None:
 
 
 _GATHER = {True: "direct", False: "staged"}
-"""Case value of the training gather at N == tg: column-parallel parameters gathered in place (direct,
-the default there) or the whole unit gathered and unpacked (staged)."""
+"""Case value of the training gather at N == tg: the whole unit gathered and unpacked (staged, the
+default) or column-parallel parameters gathered in place (direct_gather=True)."""
 
 
 def _gather_variants(world: int) -> list[tuple[int, bool | None]]:
@@ -293,7 +302,7 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
     names = {f"layers.{i}" for i in range(layers)}
     sub = [s for s in specs if s.unit in names]
     for tp, direct in _gather_variants(ctx.world):
-        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=direct)
+        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct))
         name = f"tg={tp}" + ("" if direct is None else f" {_GATHER[direct]}")
         _fill(buf)
         n = len(buf.layout.units)

@@ -279,6 +279,15 @@ class HybridEngine:
 
     # -- rollout ------------------------------------------------------------------------------------
 
+    def prepare_rollout(self) -> None:
+        """Start mapping the next rollout's generation pages on a host thread (`ShardedBuffer.
+        prepare_generation`): call it right after the last `ppo_step` before `rollout()`, so the page
+        mapping overlaps that step's queued GPU work and the switch is only the all-gather. The pages
+        hold model/tg of memory from then on. No-op off CUDA / without the VMM buffer."""
+        if self.role == "critic":
+            raise RuntimeError("prepare_rollout() needs an actor engine; this one is a critic")
+        self.sharded.prepare_generation()
+
     @contextlib.contextmanager
     def rollout(self):
         """Generation view + KV cache for the duration of the block; both released on exit."""

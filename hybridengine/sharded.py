@@ -129,11 +129,25 @@ class GenerationBuffer:
             if (offsets is None or off in offsets) and self.vmm.is_mapped(off):
                 self.vmm.unmap(off)
 
+    def map_others_in_background(self) -> None:
+        """Start mapping every other shard not mapped yet on a host thread (`wait_mapped` joins)."""
+        if self.vmm is None:
+            return
+        self.vmm.wait_released()
+        self.vmm.map_in_background([(off, n) for u in range(len(self.layout.units))
+                                    for off, n in self._other_shard_bytes(u) if not self.vmm.is_mapped(off)])
+
+    def wait_mapped(self) -> None:
+        """Join a background mapping (no-op without one); raises what it hit (it then mapped nothing)."""
+        if self.vmm is not None:
+            self.vmm.wait_mapped()
+
     def release_others_deferred(self) -> None:
         """Unmap every other shard once the current stream's queued work is done, on a host thread
         (no-op when none is mapped)."""
         if self.vmm is None:
             return
+        self.vmm.wait_mapped()
         offsets = [off for u in range(len(self.layout.units)) for off, _ in self._other_shard_bytes(u)
                    if self.vmm.is_mapped(off)]
         if offsets:
@@ -148,6 +162,7 @@ class GenerationBuffer:
         """Bytes of G backed by memory; waits for a deferred release first."""
         if self.vmm is None:
             return self.data.numel() * self.element_size
+        self.vmm.wait_mapped()
         self.vmm.wait_released()
         return self.vmm.mapped_bytes()
 
@@ -206,17 +221,19 @@ class ShardedBuffer:
     def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
                  timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None,
-                 batch_page_calls: bool = False, direct_gather: bool | None = None):
+                 batch_page_calls: bool = False, direct_gather: bool = False):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
         `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
         (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES).
         `batch_page_calls` (VMM): set the access of each switch batch's pages with one cuMemSetAccess per
         contiguous run of units (`GenerationBuffer.map_units`) instead of one per (unit, shard): ~5
         cuMemSetAccess per switch instead of ~30 (still a cuMemCreate + cuMemMap per (unit, shard)).
-        `direct_gather` (N == tg > 1, where each rank's shard is its whole TP slice): `gather_unit`
+        `direct_gather` (used where N == tg > 1, each rank's shard its whole TP slice): `gather_unit`
         all-gathers each column-parallel parameter straight into its natural place (one NCCL group
         call of one all-gather per parameter) and only the row-parallel and replicated ones through a
-        staging buffer and the segment copy, which overlaps the column gathers; None: on where it applies."""
+        staging buffer and the segment copy, which overlaps the column gathers. Off by default: on
+        2 x H200 (run 20261130T190125Z-8e64) its one all-gather per parameter cost more than the unpack it
+        saves (7B layer 1.49 vs 1.20 ms, 1.5B layer 1.09 vs 0.31 ms; equal when 4 layers pipeline)."""
         if switch_batch_bytes is not None and (not isinstance(switch_batch_bytes, int) or switch_batch_bytes < 0):
             raise ValueError(f"switch_batch_bytes must be None or an int >= 0, got {switch_batch_bytes!r}")
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
@@ -256,11 +273,7 @@ class ShardedBuffer:
             switch_batch_bytes = min(high, max(low, received // 4))
         self.switch_batch_bytes = switch_batch_bytes
         self.batch_page_calls = bool(batch_page_calls)
-        direct_ok = m == 1 and tp_size > 1
-        if direct_gather and not direct_ok:
-            raise ValueError(f"direct_gather=True needs world_size == tp_size > 1 (each shard a whole TP slice), "
-                             f"got world_size={self.world_size}, tp_size={tp_size}")
-        self.direct_gather = direct_ok if direct_gather is None else bool(direct_gather)
+        self.direct_gather = bool(direct_gather) and m == 1 and tp_size > 1
         self._direct: list[_DirectPlan | None] = [None] * len(self.layout.units)
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
         self.state = "training"
@@ -334,6 +347,12 @@ class ShardedBuffer:
         (kept pages stay) and the buffer stays in the training state."""
         self._expect("training", "switch_to_generation")
         self.gen.wait_released()  # a deferred release of the last switch back must be done first
+        try:
+            self.gen.wait_mapped()  # pages mapped ahead by prepare_generation()
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {self.rank}: switch_to_generation: mapping the generation pages ahead "
+                               f"(prepare_generation) failed; nothing of it stays mapped and the buffer is in "
+                               f"training state: {e}") from e
         works, mapped = [], []  # mapped: (unit, byte offsets this call mapped for it)
         for batch in switch_batches(self.layout, self.switch_batch_bytes if self._coalesce else 0):
             # host-side mapping; the previous batch's all-gathers are in flight
@@ -385,6 +404,16 @@ class ShardedBuffer:
         if release:
             self.gen.release_others_deferred()
         self.state = "training"
+
+    def prepare_generation(self) -> None:
+        """Start mapping the generation pages (VMM) on a host thread and return at once, so that the
+        next `switch_to_generation()` only all-gathers. Call it where the training step's transient
+        memory is gone and the GPU is still busy (after launching the last optimizer step before a
+        rollout): the driver's page calls (~1.3 ms/GiB of host time) then overlap that work, and from
+        here to the next switch G holds model/tg of memory. A failure is raised by that switch, which
+        then leaves the buffer in training state. No-op without VMM or when the pages are mapped."""
+        self._expect("training", "prepare_generation")
+        self.gen.map_others_in_background()
 
     def release_generation_pages(self) -> None:
         """Release the pages kept by `switch_to_training(release=False)` (deferred, as that call does);

@@ -1,8 +1,9 @@
 """Python face of the extension's CUDA VMM range (csrc/vmm_cuda.cpp): errors become exceptions.
 
 A reserved virtual address range on one GPU; `map(offset, nbytes)` backs a piece of it with its own
-physical allocation (`map_pieces`: several pieces with one cuMemSetAccess per contiguous run), `unmap(offset)`
-releases it (`unmap_after_current_stream`: later, on a host thread), `tensor(dtype)` is a torch view of the whole range (touch only mapped parts).
+physical allocation (`map_pieces`: several pieces with one cuMemSetAccess per contiguous run;
+`map_in_background`: on a host thread), `unmap(offset)` releases it (`unmap_after_current_stream`:
+later, on a host thread), `tensor(dtype)` is a torch view of the whole range (touch only mapped parts).
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ class VmmRange:
 
     def wait_released(self) -> None:
         _raise(self._range.wait_released())
+
+    def map_in_background(self, pieces: list[tuple[int, int]]) -> None:
+        """Map (offset, nbytes) pieces, an allocation each, on a host thread; returns at once. All or
+        nothing; `wait_mapped()` joins and raises what the thread hit. Checks every piece first."""
+        _raise(self._range.map_in_background([int(o) for o, _ in pieces], [int(n) for _, n in pieces]))
+
+    def wait_mapped(self) -> None:
+        _raise(self._range.wait_mapped())
 
     def timings(self, reset: bool = False) -> dict[str, tuple[float, int]]:
         """Host seconds and calls per driver call (create, map, set_access, unmap, release), process-wide."""

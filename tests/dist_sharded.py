@@ -18,17 +18,17 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
     # switch_batch_bytes: the default (a tiny model: all but the first unit in one NCCL group call), 0 (one all-gather
-    # per unit), 4 MiB (small groups); batch_page_calls: one cuMemSetAccess per switch batch; direct_gather=False:
-    # the training gather at N == tg through one all-gather and the unpack of the whole unit.
+    # per unit), 4 MiB (small groups); batch_page_calls: one cuMemSetAccess per switch batch; direct_gather: the
+    # training gather at N == tg with column-parallel parameters gathered in place.
     for model, dtype, batch, pages in [("odd-hidden", torch.float32, None, False),
                                        ("tied-no-bias", torch.bfloat16, None, False),
                                        ("odd-hidden", torch.bfloat16, 0, False),
                                        ("tied-no-bias", torch.float32, 4 << 20, False),
                                        ("odd-hidden", torch.bfloat16, None, True),
                                        ("tied-no-bias", torch.float32, 4 << 20, True),
-                                       ("odd-hidden", torch.bfloat16, None, "staged")]:
+                                       ("odd-hidden", torch.bfloat16, None, "direct")]:
         kwargs = ({} if batch is None else {"switch_batch_bytes": batch}) | ({"batch_page_calls": True} if pages is True else {})
-        kwargs |= {"direct_gather": False} if pages == "staged" else {}
+        kwargs |= {"direct_gather": True} if pages == "direct" else {}
         check_sharded_buffer(rank, world, model, dtype, device="cuda", **kwargs)
         if rank == 0:
             print(f"dist_sharded: {model} {dtype} world_size={world} {kwargs}: all checks passed", flush=True)

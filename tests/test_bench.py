@@ -103,6 +103,8 @@ def synthetic_rows(path: Path) -> None:
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "gen_to_train"}, "seconds", [0.007])
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "train_to_gen", "after_idle_s": 0.5}, "seconds",
             [0.0275])
+    rec.add("switch", "hybridengine", "qwen2-7b", {**he, "direction": "train_to_gen", "after_idle_s": 0.5,
+                                                    "pages": "mapped ahead"}, "seconds", [0.026])
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "model_over_tg_GiB": 14.2, "source": "nvml"}, "peak_GiB", 16.3)
     rec.add("switch", "hybridengine", "qwen2-7b", {**he, "model_over_tg_GiB": 14.2, "source": "nvml",
                                                     "scope": "above_baseline", "baseline_GiB": 1.4}, "peak_GiB", 14.9)
@@ -169,11 +171,11 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     assert "| layer_unpack | 1 GiB | 10 | hybridengine | 3,000 (3,000–3,000) | 0.73 | 0.75 |" in text
     assert "| qwen2-7b | deepspeed_gather_once (timer_sync=True) | 900 (900–900) | – | 32,997 | 0.03 | 0.50 |" in text
     assert "no Qwen2 container" in text
-    # Switch, all in r1: 31.5 ms / NCCL 25 ms = 1.26; after idle 27.5 / 25 = 1.10; ZeRO-3 47.25 ms / 31.5 = 1.50;
-    # FSDP2 52.5 / 31.5 = 1.67.
+    # Switch, all in r1: 31.5 ms / NCCL 25 ms = 1.26; after idle 27.5 / 25 = 1.10; pages mapped ahead 26 / 25 = 1.04;
+    # ZeRO-3 47.25 ms / 31.5 = 1.50; FSDP2 52.5 / 31.5 = 1.67.
     assert ("| qwen2-7b | 1 | 31.5 ms (31.5–31.5) | 7.00 ms (7.00–7.00) | – | 7.60 | – | 25.0 ms (25.0–25.0) | 1.26 | "
-            "27.5 ms (27.5–27.5), 1.10 | 1.50 | 1.67 | 16.3 (14.2), +14.9 over 1.40 | 7.10 → 7.10 | r1 |") in text
-    assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | – | – | – | – |" in text
+            "27.5 ms (27.5–27.5), 1.10 | 26.0 ms (26.0–26.0), 1.04 | 1.50 | 1.67 | 16.3 (14.2), +14.9 over 1.40 | 7.10 → 7.10 | r1 |") in text
+    assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | – | – | – | – | – |" in text
     # Unit gather: 225 / 250 GB/s = 0.90; FSDP2 2.1 ms / 1.05 ms = 2.00.
     assert "| qwen2-7b | 470 | hybridengine tg=1 | 1.05 ms (1.05–1.05) | 225 | 0.90 | 2.00 | r1 |" in text
     # Generate: one GPU at 2,700 tok/s vs the peers' per-GPU rates of run r1 (2 GPUs), marked as another run.

@@ -195,6 +195,20 @@ def test_generate_outside_rollout_and_bad_params():
         he.EngineConfig(dtype=torch.float32, split_master=True)
 
 
+def test_prepare_rollout_then_rollout():
+    """prepare_rollout() (pages mapped ahead; a no-op for the CPU buffer) leaves generation unchanged and
+    is refused inside a rollout, where the buffer is in the generation state."""
+    engine, _ = make_engine("tiny-qwen2")
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    with engine.rollout():
+        plain = [o.outputs[0].token_ids for o in engine.generate([[1, 2, 3]], params)]
+        with pytest.raises(RuntimeError, match="prepare_generation\(\) needs the training state"):
+            engine.prepare_rollout()
+    engine.prepare_rollout()
+    with engine.rollout():
+        assert [o.outputs[0].token_ids for o in engine.generate([[1, 2, 3]], params)] == plain
+
+
 def test_admission_counts_a_prompts_samples():
     """A prompt awaiting its fork into n samples takes n of max_num_seqs: a decode batch never exceeds it
     (9 sequences once ran in a batch of max_num_seqs=8, past the largest CUDA graph bucket)."""

@@ -63,6 +63,21 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_
         if buf.gen.vmm is not None:  # only the own shards stay mapped between rollouts
             assert buf.gen.mapped_bytes() == buf.layout.shard_numel * buf.layout.element_size
 
+        # Pages mapped ahead (prepare_generation, a host thread with VMM): the switch then only gathers, and
+        # an optimizer write after the call still shows up in the rollout.
+        for s in buf.shard_views():
+            s.add_(2)
+        buf.prepare_generation()
+        for s, before in zip(buf.shard_views(), shards_before):
+            s.copy_(before)
+        if buf.gen.vmm is not None:
+            assert buf.gen.mapped_bytes() == buf.layout.gen_numel * buf.layout.element_size
+        buf.switch_to_generation()
+        views = buf.generation_views()
+        for s in specs:
+            assert torch.equal(views[s.name].cpu(), reference_tp_slice(params[s.name].cpu(), s.role, t, tp)), (tp, s.name)
+        buf.switch_to_training()
+
         # Generation pages kept mapped between rollouts (release=False): the next switch only all-gathers
         # into them, and optimizer writes between rollouts (+1, then -1) show up in it all the same.
         for trip, bump in enumerate([0, 1, 0]):
@@ -172,25 +187,22 @@ def test_bf16_two_ranks():
     spawn(_check_world, 2, "tied-no-bias", torch.bfloat16)
 
 
-def test_staged_gather_when_tg_is_n():
-    """direct_gather=False: at N == tg the training gather also goes through one all-gather and the
-    unpack of the whole unit (the default there gathers column-parallel parameters in place)."""
-    spawn(_check_world, 2, "odd-hidden", torch.float32, {"direct_gather": False})
+def test_direct_gather_when_tg_is_n():
+    """direct_gather=True at N == tg: column-parallel parameters gathered in place, the rest staged."""
+    spawn(_check_world, 2, "tied-no-bias", torch.float32, {"direct_gather": True})
 
 
 def test_direct_gather_plan_and_argument():
     """The plan of direct_gather at N == tg: column-parallel (and undivided-vocab) parameters gather in
     place, the rest is staged; the staging table maps every staged natural element exactly once.
-    direct_gather=True where a shard is not a whole TP slice raises."""
+    direct_gather=True applies only where a shard is a whole TP slice."""
     from hybridengine.layout import ShardedLayout
     from hybridengine.ops import segment_copy_ref
     from hybridengine.sharded import ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
-    with pytest.raises(ValueError, match="direct_gather=True needs world_size == tp_size > 1"):
-        ShardedBuffer(specs, dtype=torch.float32, direct_gather=True)
+    assert not ShardedBuffer(specs, dtype=torch.float32, direct_gather=True).direct_gather  # N = tg = 1
     buf = ShardedBuffer(specs, dtype=torch.float32)
-    assert not buf.direct_gather  # alone, tg = 1: nothing to gather
     for tp in (2, 3):
         layout = ShardedLayout(specs, world_size=tp, tp_size=tp, element_size=4)
         buf.layout, buf._direct = layout, [None] * len(layout.units)
@@ -337,8 +349,81 @@ class _FakeVmm:
     def wait_released(self):
         pass
 
+    def map_in_background(self, pieces):
+        """Deferred to wait_mapped, all or nothing, as VmmRange.map_in_background."""
+        for off, n in pieces:
+            assert off not in self.maps, f"offset {off} mapped twice"
+        self.pending = list(pieces)
+
+    def wait_mapped(self):
+        pieces, self.pending = getattr(self, "pending", []), []
+        if any(off in self.fail_at for off, _ in pieces):
+            raise RuntimeError("VmmRange on cuda:0: background cuMemCreate/cuMemMap/cuMemSetAccess failed with "
+                               "CUDA_ERROR_OUT_OF_MEMORY")
+        self.maps.update(pieces)
+
     def mapped_bytes(self):
         return sum(self.maps.values())
+
+
+def test_map_others_in_background():
+    """GenerationBuffer.map_others_in_background maps every other shard not mapped yet (kept ones are
+    skipped); after wait_mapped a switch's map_unit finds nothing to map; a failure maps nothing; a
+    release joins a pending background mapping first."""
+    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharded import GenerationBuffer
+
+    layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=2, tp_size=1)
+    gen = GenerationBuffer(layout, 0, torch.float32, torch.device("cpu"), use_vmm=False)
+    gen.vmm = vmm = _FakeVmm()
+    others = {u: [off for off, _ in gen._other_shard_bytes(u)] for u in range(len(layout.units))}
+    vmm.map(others[1][0], 1)  # kept from the last rollout
+    gen.map_others_in_background()
+    assert len(vmm.pending) == len(layout.units) - 1 and not vmm.is_mapped(others[0][0])
+    gen.wait_mapped()
+    assert all(gen.map_unit(u) == [] for u in range(len(layout.units)))
+    gen.release_others_deferred()
+    assert vmm.maps == {}
+    vmm.fail_at = {others[2][0]}
+    gen.map_others_in_background()
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        gen.wait_mapped()
+    assert vmm.maps == {}
+    vmm.fail_at = set()
+    gen.map_others_in_background()
+    gen.release_others_deferred()  # joins the mapping, then releases it
+    assert vmm.maps == {} and vmm.pending == []
+
+
+def test_prepare_generation_states_and_failure(monkeypatch):
+    """prepare_generation needs the training state; a failed background mapping is raised by the next
+    switch_to_generation, naming the rank, with the buffer left in training; the switch after works."""
+    from hybridengine.sharded import GenerationBuffer, ShardedBuffer
+
+    specs = model_specs(**MODELS["odd-hidden"])
+    buf = ShardedBuffer(specs, dtype=torch.float32)
+    params = full_params(specs, torch.float32)
+    buf.load_(params)
+    started = []
+    monkeypatch.setattr(GenerationBuffer, "map_others_in_background", lambda self: started.append(True))
+    buf.prepare_generation()
+    assert started == [True] and buf.state == "training"
+    buf.switch_to_generation()
+    with pytest.raises(RuntimeError, match="rank 0: prepare_generation\(\) needs the training state"):
+        buf.prepare_generation()
+    buf.switch_to_training()
+
+    def failed(self):
+        raise RuntimeError("VmmRange on cuda:0: background cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
+
+    monkeypatch.setattr(GenerationBuffer, "wait_mapped", failed)
+    with pytest.raises(RuntimeError, match="rank 0: switch_to_generation: mapping the generation pages ahead "
+                                           "\(prepare_generation\) failed.*training state.*OUT_OF_MEMORY"):
+        buf.switch_to_generation()
+    assert buf.state == "training"
+    monkeypatch.undo()
+    buf.switch_to_generation()
+    assert all(torch.equal(v, params[n]) for n, v in buf.generation_views().items())
 
 
 def test_map_unit_maps_only_what_is_missing():

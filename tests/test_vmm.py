@@ -123,6 +123,42 @@ def test_map_pieces_one_access_call_per_run():
     assert r.mapped_bytes() == 3 * g
 
 
+def test_map_in_background():
+    """map_in_background returns at once; after wait_mapped the pieces are mapped (an allocation each)
+    and usable; bad pieces raise before any thread starts; calls that change mappings join the thread;
+    a failing background mapping maps nothing and wait_mapped raises it (once)."""
+    r = vmm_range(8 << 21)
+    g = r.granularity
+    r.map(g, g)
+    r.timings(reset=True)
+    r.map_in_background([(3 * g, 2 * g), (0, g), (6 * g, g)])
+    r.wait_mapped()
+    t = r.timings(reset=True)
+    assert (t["create"][1], t["map"][1], t["set_access"][1]) == (3, 3, 3), t
+    assert r.mapped_bytes() == 5 * g and all(r.is_mapped(o) for o in (0, g, 3 * g, 6 * g))
+    x = r.tensor(torch.float32, 3 * g, 2 * g)
+    x.copy_(torch.arange(x.numel(), dtype=torch.float32, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(x.cpu(), torch.arange(x.numel(), dtype=torch.float32))
+    with pytest.raises(ValueError, match="overlaps a range that is already mapped"):
+        r.map_in_background([(2 * g, g), (3 * g, g)])
+    with pytest.raises(ValueError, match="overlap"):
+        r.map_in_background([(2 * g, 2 * g), (2 * g, g)])
+    assert r.mapped_bytes() == 5 * g and not r.is_mapped(2 * g)
+    r.map_in_background([(2 * g, g)])
+    r.unmap(2 * g)  # joins the mapping thread first
+    r.map_in_background([])
+    r.wait_mapped()
+    assert r.mapped_bytes() == 5 * g
+    huge = vmm_range(1 << 39)  # 512 GiB of addresses; 256 GiB of memory is more than the GPU has
+    huge.map(0, huge.granularity)
+    huge.map_in_background([(1 << 38, 1 << 38), (huge.granularity, huge.granularity)])
+    with pytest.raises(RuntimeError, match="background .* failed with .*(OUT_OF_MEMORY|INVALID)"):
+        huge.wait_mapped()
+    huge.wait_mapped()  # the error was reported once
+    assert huge.mapped_bytes() == huge.granularity and not huge.is_mapped(huge.granularity)
+
+
 def test_tensor_keeps_range_alive():
     r = vmm_range(1 << 21)
     r.map(0, r.granularity)
