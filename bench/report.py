@@ -445,7 +445,9 @@ def unit_gather_section(rows: list[dict]) -> str:
             for r in (r for r in ours if r["case"].get("pipelined", 0) == piped):
                 bw = twin(rows, r, "busbw_GB_per_s")
                 what = (f"hybridengine tg={r['case'].get('tg')}" + _gather_label(r)
-                        + (f", {piped} layers pipelined (per layer)" if piped else ""))
+                        + (f", {piped} layers pipelined (per layer)" if piped else "")
+                        + (f", unpack grid <= {r['case']['unpack_blocks']} blocks" if "unpack_blocks" in r["case"]
+                           else ""))
                 body.append([model, sig(r["case"].get("MB")), what, dur_spread(r), sig(bw and bw["value"]),
                              ratio(bw and bw["value"], nccl_bw and nccl_bw["value"]) + nccl_mark,
                              ratio(fsdp and fsdp["value"], r["value"]) + fsdp_mark, run])
@@ -987,7 +989,7 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          dur(back["value"]), dur(released["value"]), "–", "< 1 ms", _where(g)])
 
     ug = [r for r in latest(rows, "unit_gather") if r["provider"] == "hybridengine" and r["metric"] == "busbw_GB_per_s"
-          and r["case"].get("gather") != "direct"]
+          and r["case"].get("gather") != "direct" and "unpack_blocks" not in r["case"]]
     model = _headline_model(ug)
     for r in sorted((r for r in ug if r["model"] == model), key=lambda r: (r["case"].get("pipelined", 0),
                                                                            r["case"].get("tg", 0))):

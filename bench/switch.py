@@ -285,6 +285,11 @@ _GATHER = {True: "direct", False: "staged"}
 default) or column-parallel parameters gathered in place (direct_gather=True)."""
 
 
+UNPACK_BLOCKS_SWEEP = (8, 16, 32, 66)
+"""Grid bounds tried for a prefetched unit's unpack (ShardedBuffer.prefetch_unpack_blocks; 66: half an
+H200's SMs)."""
+
+
 def _gather_variants(world: int) -> list[tuple[int, bool | None]]:
     """(tg, direct_gather) pairs the unit gathers run: both gathers where N == tg > 1."""
     out = []
@@ -314,13 +319,20 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
             for u in range(n):
                 buf.gather_unit(u)
 
-        times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined {name}")]
-        case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n)
-        case |= {} if direct is None else {"gather": _GATHER[direct]}
-        ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
-        ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",
-                    [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
-        ctx.log(f"  unit gather {model} {name}, {n} layers pipelined: {quantiles(times)[1] * 1e3:.3f} ms per layer")
+        # The staged unpack beside the next all-gather, its grid unbounded and bounded (prefetch_unpack_blocks).
+        default = buf.prefetch_unpack_blocks
+        for blocks in [default] + (list(UNPACK_BLOCKS_SWEEP) if tp > 1 and not direct else []):
+            buf.prefetch_unpack_blocks = blocks
+            label = name + (f", unpack <= {blocks} blocks" if blocks != default else "")
+            times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined {label}")]
+            case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n)
+            case |= {} if direct is None else {"gather": _GATHER[direct]}
+            case |= {"unpack_blocks": blocks} if blocks != default else {}
+            ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
+            ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",
+                        [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
+            ctx.log(f"  unit gather {model} {label}, {n} layers pipelined: {quantiles(times)[1] * 1e3:.3f} ms per layer")
+        buf.prefetch_unpack_blocks = default
         buf.close()
     layers = n
     per_rank = unit_bytes // ctx.world // 2

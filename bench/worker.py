@@ -51,6 +51,7 @@ SUITES: dict[str, list[str]] = {
     "hf_generate": [*FLOORS, "hf_generate"],
     "segment_copy": ["hbm_copy", "segment_copy"],
     "switch": ["all_gather", "switch", "unit_gather", "deepspeed_switch"],  # DeepSpeed last (zero.Init)
+    "unit_gather": ["unit_gather"],
     "generate": ["hbm_copy", "generate"],
     "paged_attention": ["hbm_copy", "paged_attention"],
     "paged_attention_sweep": ["hbm_copy", "paged_attention_sweep"],

@@ -14,5 +14,5 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(hybridengine, m) {
   // dst[d:d+n] = src[s:s+n] for each row (s, d, n) of table (int64 [S, 3], in elements).
-  m.def("segment_copy(Tensor src, Tensor(a!) dst, Tensor table) -> ()");
+  m.def("segment_copy(Tensor src, Tensor(a!) dst, Tensor table, int max_blocks=0) -> ()");
 }

@@ -36,8 +36,10 @@ static void validate_table(const int64_t* t, int64_t rows, int64_t src_numel, in
   }
 }
 
-static void segment_copy_cpu(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& table) {
+static void segment_copy_cpu(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& table,
+                             int64_t max_blocks) {
   check_segment_copy_args(src, dst, table);
+  TORCH_CHECK_VALUE(max_blocks >= 0, "segment_copy: max_blocks must be >= 0 (0: no bound), got ", max_blocks);
   const int64_t rows = table.size(0);
   const int64_t* t = table.data_ptr<int64_t>();
   validate_table(t, rows, src.numel(), dst.numel());

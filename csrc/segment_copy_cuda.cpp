@@ -11,13 +11,15 @@
 
 namespace hybridengine {
 
-static void segment_copy_cuda_op(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& table) {
+static void segment_copy_cuda_op(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& table,
+                                 int64_t max_blocks) {
   check_segment_copy_args(src, dst, table);
+  TORCH_CHECK_VALUE(max_blocks >= 0, "segment_copy: max_blocks must be >= 0 (0: no bound), got ", max_blocks);
   const c10::DeviceGuard guard(src.device());
   const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(src.device());
   const cudaError_t err = segment_copy_cuda(src.data_ptr(), dst.data_ptr(), table.data_ptr<int64_t>(),
                                             table.size(0), static_cast<int64_t>(src.element_size()), src.numel(),
-                                            dst.numel(), static_cast<cudaStream_t>(stream.native_handle()));
+                                            dst.numel(), max_blocks, static_cast<cudaStream_t>(stream.native_handle()));
   TORCH_CHECK(err == cudaSuccess, "segment_copy: CUDA launch failed: ", cudaGetErrorString(err));
 }
 

@@ -36,14 +36,8 @@ __device__ __forceinline__ void copy_words(const char* src, char* dst, int64_t n
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-segment_copy_kernel(const char* __restrict__ src, char* __restrict__ dst,
-                    const int64_t* __restrict__ table, int64_t num_segments, int64_t element_size,
-                    int64_t src_numel, int64_t dst_numel) {
-  const int64_t seg = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (seg >= num_segments) return;
-  const int64_t* row = table + 3 * seg;
+__device__ __forceinline__ void copy_row(const char* __restrict__ src, char* __restrict__ dst, const int64_t* row,
+                                         int64_t element_size, int64_t src_numel, int64_t dst_numel, int lane) {
   const int64_t s = row[0], d = row[1], n = row[2];
   if (s < 0 || d < 0 || n <= 0 || s + n > src_numel || d + n > dst_numel) return;
   const char* sp = src + s * element_size;
@@ -68,13 +62,26 @@ segment_copy_kernel(const char* __restrict__ src, char* __restrict__ dst,
   }
 }
 
+__global__ void __launch_bounds__(kThreads)
+segment_copy_kernel(const char* __restrict__ src, char* __restrict__ dst,
+                    const int64_t* __restrict__ table, int64_t num_segments, int64_t element_size,
+                    int64_t src_numel, int64_t dst_numel) {
+  const int lane = threadIdx.x % 32;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;  // one pass unless the grid was bounded
+  for (int64_t seg = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; seg < num_segments;
+       seg += stride) {
+    copy_row(src, dst, table + 3 * seg, element_size, src_numel, dst_numel, lane);
+  }
+}
+
 }  // namespace
 
 cudaError_t segment_copy_cuda(const void* src, void* dst, const int64_t* table, int64_t num_segments,
-                              int64_t element_size, int64_t src_numel, int64_t dst_numel,
+                              int64_t element_size, int64_t src_numel, int64_t dst_numel, int64_t max_blocks,
                               cudaStream_t stream) {
   if (num_segments == 0) return cudaSuccess;
-  const int64_t blocks = (num_segments + kWarps - 1) / kWarps;
+  int64_t blocks = (num_segments + kWarps - 1) / kWarps;
+  if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
   segment_copy_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const char*>(src), static_cast<char*>(dst), table, num_segments, element_size, src_numel,

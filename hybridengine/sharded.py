@@ -221,7 +221,7 @@ class ShardedBuffer:
     def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
                  timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None,
-                 batch_page_calls: bool = False, direct_gather: bool = False):
+                 batch_page_calls: bool = False, direct_gather: bool = False, prefetch_unpack_blocks: int = 0):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
         `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
         (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES).
@@ -233,7 +233,9 @@ class ShardedBuffer:
         call of one all-gather per parameter) and only the row-parallel and replicated ones through a
         staging buffer and the segment copy, which overlaps the column gathers. Off by default: on
         2 x H200 (run 20261130T190125Z-8e64) its one all-gather per parameter cost more than the unpack it
-        saves (7B layer 1.49 vs 1.20 ms, 1.5B layer 1.09 vs 0.31 ms; equal when 4 layers pipeline)."""
+        saves (7B layer 1.49 vs 1.20 ms, 1.5B layer 1.09 vs 0.31 ms; equal when 4 layers pipeline).
+        `prefetch_unpack_blocks` (tg > 1, CUDA): bound the grid of a prefetched unit's unpack, which runs
+        beside the next unit's all-gather, so that it leaves SMs to NCCL (0: no bound)."""
         if switch_batch_bytes is not None and (not isinstance(switch_batch_bytes, int) or switch_batch_bytes < 0):
             raise ValueError(f"switch_batch_bytes must be None or an int >= 0, got {switch_batch_bytes!r}")
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
@@ -274,6 +276,9 @@ class ShardedBuffer:
         self.switch_batch_bytes = switch_batch_bytes
         self.batch_page_calls = bool(batch_page_calls)
         self.direct_gather = bool(direct_gather) and m == 1 and tp_size > 1
+        if not isinstance(prefetch_unpack_blocks, int) or prefetch_unpack_blocks < 0:
+            raise ValueError(f"prefetch_unpack_blocks must be an int >= 0 (0: no bound), got {prefetch_unpack_blocks!r}")
+        self.prefetch_unpack_blocks = prefetch_unpack_blocks
         self._direct: list[_DirectPlan | None] = [None] * len(self.layout.units)
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
         self.state = "training"
@@ -471,9 +476,9 @@ class ShardedBuffer:
             return full[:unit.natural_numel]  # slice-major with one slice is the natural layout
         return full
 
-    def _unpack_unit(self, u: int, full: torch.Tensor) -> torch.Tensor:
+    def _unpack_unit(self, u: int, full: torch.Tensor, max_blocks: int = 0) -> torch.Tensor:
         natural = torch.empty(self.layout.units[u].natural_numel, dtype=full.dtype, device=self.device)
-        segment_copy(full, natural, self._table(u, pack=False))
+        segment_copy(full, natural, self._table(u, pack=False), max_blocks=max_blocks)
         return natural
 
     def _gather(self, u: int) -> torch.Tensor:
@@ -573,7 +578,7 @@ class ShardedBuffer:
             full, last = natural, self._unpack_stream
             last.wait_stream(self._side_stream)
             with torch.cuda.stream(last):
-                natural = self._unpack_unit(u, full)
+                natural = self._unpack_unit(u, full, self.prefetch_unpack_blocks)
             full.record_stream(last)
         event = torch.cuda.Event()
         event.record(last)

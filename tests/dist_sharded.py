@@ -28,7 +28,7 @@ def main():
                                        ("tied-no-bias", torch.float32, 4 << 20, True),
                                        ("odd-hidden", torch.bfloat16, None, "direct")]:
         kwargs = ({} if batch is None else {"switch_batch_bytes": batch}) | ({"batch_page_calls": True} if pages is True else {})
-        kwargs |= {"direct_gather": True} if pages == "direct" else {}
+        kwargs |= {"direct_gather": True, "prefetch_unpack_blocks": 4} if pages == "direct" else {}
         check_sharded_buffer(rank, world, model, dtype, device="cuda", **kwargs)
         if rank == 0:
             print(f"dist_sharded: {model} {dtype} world_size={world} {kwargs}: all checks passed", flush=True)

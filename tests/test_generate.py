@@ -202,7 +202,7 @@ def test_prepare_rollout_then_rollout():
     params = SamplingParams(max_tokens=5, temperature=0.0)
     with engine.rollout():
         plain = [o.outputs[0].token_ids for o in engine.generate([[1, 2, 3]], params)]
-        with pytest.raises(RuntimeError, match="prepare_generation\(\) needs the training state"):
+        with pytest.raises(RuntimeError, match=r"prepare_generation\(\) needs the training state"):
             engine.prepare_rollout()
     engine.prepare_rollout()
     with engine.rollout():

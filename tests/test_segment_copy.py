@@ -112,6 +112,22 @@ def test_bad_arguments(src, dst, table, match):
         segment_copy(src, dst, table)
 
 
+def test_max_blocks_argument():
+    """max_blocks bounds the CUDA grid; on CPU it changes nothing; negative values are refused by the
+    wrapper and the C++ op alike, leaving dst alone."""
+    src, dst = torch.arange(10.0), torch.zeros(10)
+    table = torch.tensor([[0, 5, 3], [6, 0, 2]])
+    segment_copy(src, dst, table, max_blocks=1)
+    assert dst.tolist() == [6, 7, 0, 0, 0, 0, 1, 2, 0, 0]
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="max_blocks must be an int >= 0"):
+            segment_copy(src, torch.zeros(10), table, max_blocks=bad)
+    untouched = torch.zeros(10)
+    with pytest.raises(ValueError, match="max_blocks must be >= 0"):
+        torch.ops.hybridengine.segment_copy(src, untouched, table, -2)
+    assert not untouched.any()
+
+
 def test_overlapping_src_and_dst_rejected_by_op():
     buf = torch.arange(10.0)
     with pytest.raises(ValueError, match="overlap in memory"):
@@ -134,6 +150,10 @@ def test_cuda_matches_reference(dtype, numel, num_rows):
     segment_copy(src.cuda(), out, dev_table)
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), expected)
+    for max_blocks in (1, 3):  # a bounded grid strides over the rows: the same bytes
+        out = torch.full_like(src, 3, device="cuda")
+        segment_copy(src.cuda(), out, dev_table, max_blocks=max_blocks)
+        assert torch.equal(out.cpu(), expected), max_blocks
 
 
 @pytest.mark.gpu

@@ -409,7 +409,7 @@ def test_prepare_generation_states_and_failure(monkeypatch):
     buf.prepare_generation()
     assert started == [True] and buf.state == "training"
     buf.switch_to_generation()
-    with pytest.raises(RuntimeError, match="rank 0: prepare_generation\(\) needs the training state"):
+    with pytest.raises(RuntimeError, match=r"rank 0: prepare_generation\(\) needs the training state"):
         buf.prepare_generation()
     buf.switch_to_training()
 
@@ -417,8 +417,8 @@ def test_prepare_generation_states_and_failure(monkeypatch):
         raise RuntimeError("VmmRange on cuda:0: background cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
 
     monkeypatch.setattr(GenerationBuffer, "wait_mapped", failed)
-    with pytest.raises(RuntimeError, match="rank 0: switch_to_generation: mapping the generation pages ahead "
-                                           "\(prepare_generation\) failed.*training state.*OUT_OF_MEMORY"):
+    with pytest.raises(RuntimeError, match=r"rank 0: switch_to_generation: mapping the generation pages ahead "
+                                           r"\(prepare_generation\) failed.*training state.*OUT_OF_MEMORY"):
         buf.switch_to_generation()
     assert buf.state == "training"
     monkeypatch.undo()
@@ -520,6 +520,9 @@ def test_switch_batch_bytes_argument():
     from hybridengine.sharded import SWITCH_BATCH_BYTES, ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
+    for bad in (-1, 2.0):
+        with pytest.raises(ValueError, match="prefetch_unpack_blocks must be an int >= 0"):
+            ShardedBuffer(specs, dtype=torch.float32, prefetch_unpack_blocks=bad)
     for bad in (-1, 1.5, "2GiB"):
         with pytest.raises(ValueError, match="switch_batch_bytes must be None or an int >= 0"):
             ShardedBuffer(specs, dtype=torch.float32, switch_batch_bytes=bad)

@@ -8,7 +8,7 @@ if EXTENSION_ERROR is None:
 
     # Shape-only implementation for torch.compile / fake tensors: the op returns nothing.
     @torch.library.register_fake("hybridengine::segment_copy")
-    def _segment_copy_fake(src, dst, table):
+    def _segment_copy_fake(src, dst, table, max_blocks=0):
         return None
 
 

@@ -94,11 +94,16 @@ def segment_copy_ref(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) 
         dst[d:d + n] = src[s:s + n]
 
 
-def segment_copy(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) -> None:
-    """dst[d:d+n] = src[s:s+n] for every row of table, in place, with the fastest available op."""
+def segment_copy(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, *, max_blocks: int = 0) -> None:
+    """dst[d:d+n] = src[s:s+n] for every row of table, in place, with the fastest available op.
+
+    `max_blocks` > 0 bounds the CUDA grid (blocks stride over the rows), so a copy running beside an
+    NCCL collective leaves SMs to it; 0 (default): one block per 8 rows. No effect on CPU."""
     _check_args(src, dst, table)
+    if not isinstance(max_blocks, int) or max_blocks < 0:
+        raise ValueError(f"segment_copy: max_blocks must be an int >= 0 (0: no bound), got {max_blocks!r}")
     if extension_has("segment_copy", src.device.type):
-        torch.ops.hybridengine.segment_copy(src, dst, table)
+        torch.ops.hybridengine.segment_copy(src, dst, table, max_blocks)
         return
     warn_once(f"segment_copy: no {src.device.type} implementation in hybridengine._C; running the torch reference")
     segment_copy_ref(src, dst, table)
