@@ -285,9 +285,9 @@ _GATHER = {True: "direct", False: "staged"}
 default) or column-parallel parameters gathered in place (direct_gather=True)."""
 
 
-UNPACK_BLOCKS_SWEEP = (8, 16, 32, 66)
-"""Grid bounds tried for a prefetched unit's unpack (ShardedBuffer.prefetch_unpack_blocks; 66: half an
-H200's SMs)."""
+UNPACK_BLOCKS_SWEEP = (66, 100, 132, 264)
+"""Grid bounds tried for a prefetched unit's unpack (ShardedBuffer.prefetch_unpack_blocks; an H200 has
+132 SMs). 8-32 blocks made the unpack outlast the next all-gather (run 20261130T192828Z-5e6d)."""
 
 
 def _gather_variants(world: int) -> list[tuple[int, bool | None]]:
