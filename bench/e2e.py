@@ -7,7 +7,8 @@ sequences of 384 tokens. CPU (the harness check): a tiny model, 2 prompts x 2 sa
 
 Providers, same work, same run:
 - `hybridengine`: `with engine.rollout(): engine.generate(...)` (switch to the generation view, KV
-  cache, CUDA graphs, generation, switch back), `engine.log_probs`, `engine.ppo_step`.
+  cache, CUDA graphs, generation, switch back), `engine.log_probs`, `engine.ppo_step`, then
+  `engine.prepare_rollout()` (the next switch's pages mapped on a host thread; rows: case prepare_rollout).
 - `deepspeed_zero3`: the loop a DeepSpeed user writes (TRL/OpenRLHF-style without vLLM): gather every
   parameter once (`GatheredParameters`, ZeRO hooks off) and run HF `generate`, then ZeRO-3 forwards
   for the log-probs and ZeRO-3 forward/backward/step for the update, in micro-batches of
@@ -128,12 +129,13 @@ def ppo_e2e(ctx: Ctx) -> None:
                                 advantages=[a * m for a, m in zip(adv.tolist(), mask)])
             t4 = time.perf_counter()
             engine.ppo_step(batch, ppo)
+            engine.prepare_rollout()  # the next rollout's pages mapped on a host thread (VMM) from here
             ctx.sync()
             t["update"] = time.perf_counter() - t4
             return _phase_max(ctx, t)
 
         def graphs_case() -> dict:  # rows name the lazy setting (EngineConfig.lazy_cuda_graphs) when on
-            return {"lazy_cuda_graphs": True} if engine.config.lazy_cuda_graphs else {}
+            return ({"lazy_cuda_graphs": True} if engine.config.lazy_cuda_graphs else {}) | {"prepare_rollout": True}
 
         step(0)  # warm-up: Triton compilation, CUDA graph pools, optimizer state
         with ctx.peak() as pm:

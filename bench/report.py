@@ -425,6 +425,14 @@ def _gather_label(r: dict) -> str:
     return " + unpack"
 
 
+def _unpack_blocks_label(r: dict) -> str:
+    """A sweep row's bound on the prefetched unpack's grid (rows without it ran the default of their run)."""
+    if "unpack_blocks" not in r["case"]:
+        return ""
+    blocks = r["case"]["unpack_blocks"]
+    return f", unpack grid <= {blocks} blocks" if blocks else ", unpack grid unbounded"
+
+
 def unit_gather_section(rows: list[dict]) -> str:
     sel = latest(rows, "unit_gather")
     notes = Notes()
@@ -446,8 +454,7 @@ def unit_gather_section(rows: list[dict]) -> str:
                 bw = twin(rows, r, "busbw_GB_per_s")
                 what = (f"hybridengine tg={r['case'].get('tg')}" + _gather_label(r)
                         + (f", {piped} layers pipelined (per layer)" if piped else "")
-                        + (f", unpack grid <= {r['case']['unpack_blocks']} blocks" if "unpack_blocks" in r["case"]
-                           else ""))
+                        + _unpack_blocks_label(r))
                 body.append([model, sig(r["case"].get("MB")), what, dur_spread(r), sig(bw and bw["value"]),
                              ratio(bw and bw["value"], nccl_bw and nccl_bw["value"]) + nccl_mark,
                              ratio(fsdp and fsdp["value"], r["value"]) + fsdp_mark, run])
@@ -769,6 +776,7 @@ def ppo_e2e_section(rows: list[dict]) -> str:
         ds, _ = peer(rows, r["run_id"], bench="ppo_e2e", provider="deepspeed_zero3", model=r["model"], metric="seconds")
         vs = "–" if r["provider"] != "hybridengine" else ratio(ds and ds["value"], r["value"]) + notes.other_run(ds, r["run_id"])
         label = r["provider"] + (" (lazy CUDA graphs)" if r["case"].get("lazy_cuda_graphs") else "")
+        label += " (pages mapped ahead)" if r["case"].get("prepare_rollout") else ""
         body.append([r["model"], label, f"{r['num_gpus']} x {r['gpu']}", dur_spread(r),
                      fmt(tok and tok["value"]), vs, f"{switch / r['value']:.1%}" if r["provider"] == "hybridengine" else "–",
                      split])

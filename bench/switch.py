@@ -285,9 +285,10 @@ _GATHER = {True: "direct", False: "staged"}
 default) or column-parallel parameters gathered in place (direct_gather=True)."""
 
 
-UNPACK_BLOCKS_SWEEP = (66, 100, 132, 264)
-"""Grid bounds tried for a prefetched unit's unpack (ShardedBuffer.prefetch_unpack_blocks; an H200 has
-132 SMs). 8-32 blocks made the unpack outlast the next all-gather (run 20261130T192828Z-5e6d)."""
+UNPACK_BLOCKS_SWEEP = (0, 66, 132)
+"""Grid bounds tried for a prefetched unit's unpack beside the default (ShardedBuffer.prefetch_unpack_blocks:
+3/4 of the SMs, 99 on an H200; 0: unbounded). 8-32 blocks made the unpack outlast the next all-gather
+(run 20261130T192828Z-5e6d); 100 was best of 66-264 (run 20261130T192932Z-fb9f)."""
 
 
 def _gather_variants(world: int) -> list[tuple[int, bool | None]]:
@@ -323,7 +324,7 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
         default = buf.prefetch_unpack_blocks
         for blocks in [default] + (list(UNPACK_BLOCKS_SWEEP) if tp > 1 and not direct else []):
             buf.prefetch_unpack_blocks = blocks
-            label = name + (f", unpack <= {blocks} blocks" if blocks != default else "")
+            label = name + ("" if blocks == default else f", unpack <= {blocks} blocks" if blocks else ", unpack unbounded")
             times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined {label}")]
             case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n)
             case |= {} if direct is None else {"gather": _GATHER[direct]}

@@ -521,7 +521,7 @@ def test_switch_batch_bytes_argument():
 
     specs = model_specs(**MODELS["odd-hidden"])
     for bad in (-1, 2.0):
-        with pytest.raises(ValueError, match="prefetch_unpack_blocks must be an int >= 0"):
+        with pytest.raises(ValueError, match="prefetch_unpack_blocks must be None or an int >= 0"):
             ShardedBuffer(specs, dtype=torch.float32, prefetch_unpack_blocks=bad)
     for bad in (-1, 1.5, "2GiB"):
         with pytest.raises(ValueError, match="switch_batch_bytes must be None or an int >= 0"):
