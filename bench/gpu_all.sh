@@ -4,7 +4,8 @@
 # Usage (repo root, wheels carried in .whl/): bash bench/gpu_all.sh "segment_copy --gpus 1" "switch --gpus 2"
 # Each bench suite gets at most $SUITE_TIMEOUT seconds (default 300); the GPU tests $PYTEST_TIMEOUT (240) over
 # $PYTEST_FILES (default: tests).
-# HE_COMMIT=<sha> names the commit in the rows (the copy's .git there can be stale).
+# HE_COMMIT=<sha> names the commit in the rows (the copy's .git there can be stale). Write the sha out
+# here (HE_COMMIT=abc123...), not HE_COMMIT=$(git rev-parse HEAD): on the device that reads the stale copy.
 # HE_BENCH_TG=2 limits the generate bench to those TP degrees; PROFILE_SWITCH=<model> adds bench.profile_switch.
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

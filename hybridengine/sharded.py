@@ -8,7 +8,8 @@
   mapped; `switch_to_generation()` maps one physical allocation per (unit, other shard) and
   all-gathers into it in place within the micro-DP group (the m ranks sharing slice t);
   `switch_to_training()` unmaps them (on a host thread, after the queued GPU work), unless asked to
-  keep them mapped for the next rollout (`release=False`). With tg = N nothing moves. On CPU, and
+  keep them mapped for the next rollout (`release=False`); `prepare_generation()` maps them ahead on
+  a host thread, so the switch is the all-gather alone. With tg = N nothing moves. On CPU, and
   where the VMM API is unavailable, G is an ordinary tensor (the switch then only communicates).
 - **Training-view gathers**: `gather_unit(u)` all-gathers unit u's shards from all N ranks (the
   concatenation in rank order *is* the slice-major unit) and unpacks it to natural layout with
