@@ -262,10 +262,9 @@ def unit_gather(ctx: Ctx) -> None:
             _fill(buf)
             unit = buf.layout.units[0]
             unit_bytes = unit.numel * buf.layout.element_size
-            name = f"tg={tp}" + ("" if direct is None else f" {_GATHER[direct]}")
+            name, variant = _gather_case(tp, direct)
             times = ctx.measure(lambda: buf.gather_unit(0), warmup=3, repeats=20, desc=f"gather {name}")
-            case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1)
-            case |= {} if direct is None else {"gather": _GATHER[direct]}
+            case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1) | variant
             ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
             ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",
                         [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
@@ -299,6 +298,13 @@ def _gather_variants(world: int) -> list[tuple[int, bool | None]]:
     return out
 
 
+def _gather_case(tp: int, direct: bool | None) -> tuple[str, dict]:
+    """Log name and case entries of a unit-gather variant."""
+    if direct is None:
+        return f"tg={tp}", {}
+    return f"tg={tp} {_GATHER[direct]}", {"gather": _GATHER[direct]}
+
+
 def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
     """Training's steady state: `layers` decoder layers prefetched back to back (all-gathers on the side
     stream, unpacks on their own stream) and consumed in order, time per layer; against the same
@@ -309,7 +315,7 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
     sub = [s for s in specs if s.unit in names]
     for tp, direct in _gather_variants(ctx.world):
         buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct))
-        name = f"tg={tp}" + ("" if direct is None else f" {_GATHER[direct]}")
+        name, variant = _gather_case(tp, direct)
         _fill(buf)
         n = len(buf.layout.units)
         unit_bytes = buf.layout.units[0].numel * buf.layout.element_size
@@ -326,8 +332,7 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
             buf.prefetch_unpack_blocks = blocks
             label = name + ("" if blocks == default else f", unpack <= {blocks} blocks" if blocks else ", unpack unbounded")
             times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined {label}")]
-            case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n)
-            case |= {} if direct is None else {"gather": _GATHER[direct]}
+            case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n) | variant
             case |= {"unpack_blocks": blocks} if blocks != default else {}
             ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
             ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",

@@ -99,16 +99,8 @@ class VmmRange : public torch::CustomClassHolder {
              std::to_string(offsets.size()) + " and " + std::to_string(sizes.size());
     }
     std::vector<std::pair<int64_t, int64_t>> pieces;
-    for (size_t i = 0; i < offsets.size(); ++i) pieces.emplace_back(offsets[i], sizes[i]);
-    std::sort(pieces.begin(), pieces.end());
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      std::string bad = check_free(pieces[i].first, pieces[i].second);
-      if (bad.empty() && i > 0 && pieces[i - 1].first + pieces[i - 1].second > pieces[i].first) {
-        bad = "invalid: pieces at offsets " + std::to_string(pieces[i - 1].first) + " and " +
-              std::to_string(pieces[i].first) + " overlap";
-      }
-      if (!bad.empty()) return bad;
-    }
+    std::string bad = sorted_free_pieces(offsets, sizes, &pieces);
+    if (!bad.empty()) return bad;
     // Access runs: the pieces and the mappings between them, merged where contiguous.
     const int64_t lo = pieces.front().first, hi = pieces.back().first + pieces.back().second;
     std::vector<std::pair<int64_t, int64_t>> spans(pieces);  // (offset, bytes)
@@ -243,16 +235,8 @@ class VmmRange : public torch::CustomClassHolder {
              " and " + std::to_string(sizes.size());
     }
     std::vector<std::pair<int64_t, int64_t>> pieces;
-    for (size_t i = 0; i < offsets.size(); ++i) pieces.emplace_back(offsets[i], sizes[i]);
-    std::sort(pieces.begin(), pieces.end());
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      std::string bad = check_free(pieces[i].first, pieces[i].second);
-      if (bad.empty() && i > 0 && pieces[i - 1].first + pieces[i - 1].second > pieces[i].first) {
-        bad = "invalid: pieces at offsets " + std::to_string(pieces[i - 1].first) + " and " +
-              std::to_string(pieces[i].first) + " overlap";
-      }
-      if (!bad.empty()) return bad;
-    }
+    std::string bad = sorted_free_pieces(offsets, sizes, &pieces);
+    if (!bad.empty()) return bad;
     if (pieces.empty()) return "";
     try {
       mapper_ = std::thread([this, pieces] { map_all(pieces); });
@@ -354,6 +338,24 @@ class VmmRange : public torch::CustomClassHolder {
       }
       it = code == 0 ? releasing_.erase(it) : std::next(it);
     }
+  }
+
+  // The (offset, bytes) pieces sorted by offset into *pieces, or the "invalid: ..." message when one
+  // is not free (check_free) or two overlap.
+  std::string sorted_free_pieces(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
+                                 std::vector<std::pair<int64_t, int64_t>>* pieces) {
+    for (size_t i = 0; i < offsets.size(); ++i) pieces->emplace_back(offsets[i], sizes[i]);
+    std::sort(pieces->begin(), pieces->end());
+    for (size_t i = 0; i < pieces->size(); ++i) {
+      const auto& [offset, bytes] = (*pieces)[i];
+      std::string bad = check_free(offset, bytes);
+      if (bad.empty() && i > 0 && (*pieces)[i - 1].first + (*pieces)[i - 1].second > offset) {
+        bad = "invalid: pieces at offsets " + std::to_string((*pieces)[i - 1].first) + " and " +
+              std::to_string(offset) + " overlap";
+      }
+      if (!bad.empty()) return bad;
+    }
+    return "";
   }
 
   // "" if [offset, offset + bytes) is inside the range, granularity-aligned and overlaps nothing

@@ -134,7 +134,6 @@ class GenerationBuffer:
         """Start mapping every other shard not mapped yet on a host thread (`wait_mapped` joins)."""
         if self.vmm is None:
             return
-        self.vmm.wait_released()
         self.vmm.map_in_background([(off, n) for u in range(len(self.layout.units))
                                     for off, n in self._other_shard_bytes(u) if not self.vmm.is_mapped(off)])
 
