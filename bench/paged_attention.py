@@ -264,3 +264,70 @@ def paged_attention_sweep(ctx: Ctx) -> None:
                     f"({nbytes / median / 1e9:,.0f} GB/s) with {config}, {parts} partitions")
         del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected
         release_memory()
+
+
+SPLIT_CASES = {(1, 4096): (8, 16, 24, 33, 48, 64, 99, 128), (1, 16384): (16, 24, 33, 48, 64, 99, 128, 256),
+               (16, 4096): (2, 3, 4, 6, 9), (16, 16384): (2, 3, 4, 6, 9, 16)}
+"""Split counts tried per (batch, context): at B = 1 from a third of a wave (4 kv heads x 33 = 132 programs,
+one per SM) to the automatic plan's 128 and beyond; at B = 16 (64 programs per split) around its 9."""
+SPLIT_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in ((32, 4, 4), (64, 4, 3), (128, 4, 3))]
+
+
+def paged_attention_splits(ctx: Ctx) -> None:
+    """Split count x tile config x merge (second kernel, or FUSED_REDUCE in the last partition program)
+    where split-K decides the time (small batches, long contexts), beside dense SDPA in the same run.
+    Rows carry case sweep="splits". GPU only."""
+    from hybridengine import attention
+
+    if not ctx.cuda:
+        ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "split sweep: GPU only", sweep="splits")
+        return
+    flush = _flush_buffer(ctx)
+    scale = HEAD_DIM**-0.5
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    for (batch, context), split_counts in SPLIT_CASES.items():
+        nbytes = kv_bytes(batch, context)
+        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
+        dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
+                                        device=ctx.device, generator=g) for _ in range(2))
+        k_cache, v_cache, tables, lens = paged_cache(batch, context, ctx.device, dense_k, dense_v)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0]
+
+        expected = sdpa()
+        base = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                    dtype="bf16", kv_bytes=nbytes, block_size=BLOCK_SIZE, flush="read", sweep="splits")
+        times = cold_times(ctx, sdpa, warmup=5, repeats=30, flush=flush)
+        ctx.rec.add("paged_attention", "sdpa_dense", MODEL, base, "seconds", times)
+        sdpa_s = quantiles(times)[1]
+        best = (float("inf"), None)
+        for config in SPLIT_CONFIGS:
+            for splits in split_counts:
+                parts, size = attention.decode_partitions(context, splits, config["BLOCK_N"])
+                for fused in (False, True):
+                    if fused and parts > attention.DECODE_FUSED_MAX_PARTITIONS:
+                        continue
+                    case = dict(base, split="forced", num_partitions=parts, partition_size=size,
+                                fused_reduce=fused, **config)
+
+                    def fn(splits=splits, config=config | {"FUSED_REDUCE": fused}):
+                        return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                                       num_splits=splits, max_context_len=context,
+                                                                       config=config)
+                    try:
+                        _check(f"splits {splits} {config} fused={fused}", fn(), expected)
+                        times = cold_times(ctx, fn, warmup=5, repeats=30, flush=flush)
+                    except Exception as e:  # noqa: BLE001 - a failing config is a row, not a lost sweep
+                        ctx.rec.not_run("paged_attention", "hybridengine", MODEL,
+                                        f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
+                        continue
+                    ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
+                    median = quantiles(times)[1]
+                    best = min(best, (median, f"{parts} partitions of {size}, {config}, fused={fused}"),
+                               key=lambda x: x[0])
+        ctx.log(f"paged_attention splits B={batch} ctx={context}: sdpa {sdpa_s * 1e6:.1f} us; best "
+                f"{best[0] * 1e6:.1f} us ({nbytes / best[0] / 1e9:,.0f} GB/s, {sdpa_s / best[0]:.2f}x sdpa) "
+                f"with {best[1]}")
+        del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected
+        release_memory()

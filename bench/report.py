@@ -422,6 +422,8 @@ def _gather_label(r: dict) -> str:
         return ""
     if r["case"].get("gather") == "direct":
         return ", column params in place + unpack of the rest (direct_gather, not the default)"
+    if r["case"].get("reshard_copy") == "copy_engine":
+        return " + unpack on the copy engines (reshard_copy='copy_engine')"
     return " + unpack"
 
 

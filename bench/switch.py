@@ -7,6 +7,7 @@ Rows: bench `switch` (train_to_gen / gen_to_train, per tg), `unit_gather` (one d
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -257,12 +258,13 @@ def unit_gather(ctx: Ctx) -> None:
         specs, cfg = _specs(model)
         layer = [s for s in specs if s.unit == "layers.0"]
         unit_bytes = None
-        for tp, direct in _gather_variants(ctx.world):
-            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct))
+        for tp, direct, reshard in _gather_variants(ctx.world):
+            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct),
+                                reshard_copy=reshard)
             _fill(buf)
             unit = buf.layout.units[0]
             unit_bytes = unit.numel * buf.layout.element_size
-            name, variant = _gather_case(tp, direct)
+            name, variant = _gather_case(tp, direct, reshard)
             times = ctx.measure(lambda: buf.gather_unit(0), warmup=3, repeats=20, desc=f"gather {name}")
             case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1) | variant
             ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
@@ -285,24 +287,33 @@ default) or column-parallel parameters gathered in place (direct_gather=True).""
 
 
 UNPACK_BLOCKS_SWEEP = (0, 66, 132)
-"""Grid bounds tried for a prefetched unit's unpack beside the default (ShardedBuffer.prefetch_unpack_blocks:
+"""With HE_UNPACK_SWEEP=1: grid bounds tried for a prefetched unit's unpack beside the default (ShardedBuffer.prefetch_unpack_blocks:
 3/4 of the SMs, 99 on an H200; 0: unbounded). 8-32 blocks made the unpack outlast the next all-gather
 (run 20261130T192828Z-5e6d); 100 was best of 66-264 (run 20261130T192932Z-fb9f)."""
 
 
-def _gather_variants(world: int) -> list[tuple[int, bool | None]]:
-    """(tg, direct_gather) pairs the unit gathers run: both gathers where N == tg > 1."""
+def _gather_variants(world: int) -> list[tuple[int, bool | None, str]]:
+    """(tg, direct_gather, reshard_copy) triples the unit gathers run: both gathers where N == tg > 1, and
+    the staged unpack by the segment-copy kernel and by the copy engines where tg > 1."""
     out = []
     for tp in (d for d in (1, 2) if world % d == 0):
-        out += [(tp, True), (tp, False)] if tp == world > 1 else [(tp, None)]
+        if tp == world > 1:
+            out += [(tp, True, "kernel"), (tp, False, "kernel"), (tp, False, "copy_engine")]
+        elif tp > 1:
+            out += [(tp, None, "kernel"), (tp, None, "copy_engine")]
+        else:
+            out += [(tp, None, "kernel")]
     return out
 
 
-def _gather_case(tp: int, direct: bool | None) -> tuple[str, dict]:
-    """Log name and case entries of a unit-gather variant."""
-    if direct is None:
-        return f"tg={tp}", {}
-    return f"tg={tp} {_GATHER[direct]}", {"gather": _GATHER[direct]}
+def _gather_case(tp: int, direct: bool | None, reshard: str = "kernel") -> tuple[str, dict]:
+    """Log name and case entries of a unit-gather variant (reshard_copy only where it is not the default)."""
+    name, case = f"tg={tp}", {}
+    if direct is not None:
+        name, case = f"{name} {_GATHER[direct]}", {"gather": _GATHER[direct]}
+    if reshard != "kernel":
+        name, case = f"{name}, unpack on the {reshard.replace('_', ' ')}s", case | {"reshard_copy": reshard}
+    return name, case
 
 
 def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
@@ -313,9 +324,10 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
 
     names = {f"layers.{i}" for i in range(layers)}
     sub = [s for s in specs if s.unit in names]
-    for tp, direct in _gather_variants(ctx.world):
-        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct))
-        name, variant = _gather_case(tp, direct)
+    for tp, direct, reshard in _gather_variants(ctx.world):
+        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct),
+                            reshard_copy=reshard)
+        name, variant = _gather_case(tp, direct, reshard)
         _fill(buf)
         n = len(buf.layout.units)
         unit_bytes = buf.layout.units[0].numel * buf.layout.element_size
@@ -328,7 +340,8 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
 
         # The staged unpack beside the next all-gather, its grid unbounded and bounded (prefetch_unpack_blocks).
         default = buf.prefetch_unpack_blocks
-        for blocks in [default] + (list(UNPACK_BLOCKS_SWEEP) if tp > 1 and not direct else []):
+        sweep = tp > 1 and not direct and reshard == "kernel" and bool(os.environ.get("HE_UNPACK_SWEEP"))
+        for blocks in [default] + (list(UNPACK_BLOCKS_SWEEP) if sweep else []):
             buf.prefetch_unpack_blocks = blocks
             label = name + ("" if blocks == default else f", unpack <= {blocks} blocks" if blocks else ", unpack unbounded")
             times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined {label}")]

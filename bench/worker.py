@@ -34,6 +34,7 @@ BENCHES = {
     "generate": generate.generate,
     "paged_attention": paged_attention.paged_attention,
     "paged_attention_sweep": paged_attention.paged_attention_sweep,
+    "paged_attention_splits": paged_attention.paged_attention_splits,
     "ppo_loss": ppo_loss.ppo_loss,
     "train_step": train.train_step,
     "ppo_e2e": e2e.ppo_e2e,
@@ -55,6 +56,7 @@ SUITES: dict[str, list[str]] = {
     "generate": ["hbm_copy", "generate"],
     "paged_attention": ["hbm_copy", "paged_attention"],
     "paged_attention_sweep": ["hbm_copy", "paged_attention_sweep"],
+    "paged_attention_splits": ["hbm_copy", "paged_attention_splits"],
     "ppo_loss": ["gemm", "ppo_loss"],
     "train_step": ["gemm", "train_step"],
     # hybridengine's train step with both peers' in one run (one model per device call at 7B)

@@ -39,6 +39,11 @@ DECODE_REDUCE_BLOCK_D = 32
 """head_dim slice per program of the split-K merge kernel."""
 DECODE_REDUCE_CHUNK = 64
 """Partitions merged per load by the split-K merge kernel ([64, 32] fp32 tile: 16 values a thread at 4 warps)."""
+DECODE_FUSED_MAX_PARTITIONS = 64
+"""Split-K with FUSED_REDUCE merges in the last partition program when there are at most this many
+partitions (its merge loads a [partitions, head_dim] fp32 tile per query head); more take the merge kernel."""
+DECODE_FUSED_REDUCE = False
+"""Default of the decode launch's config FUSED_REDUCE."""
 DECODE_TARGET_WAVES = 4
 """Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 4 x SMs). H200
 sweep (bench/results, 2026-11-30, Qwen2-7B heads): B = 16 at 4k 57 -> 51 us and at 16k 186 -> 156 us
@@ -315,6 +320,24 @@ def _decode_config(device: torch.device, head_dim: int) -> dict:
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
 
 
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_OLD_COUNTERS: list[torch.Tensor] = []
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused split-K merge, one per (sequence, kv head), per (device,
+    stream). The kernel returns each to 0, so they are zeroed once, not per launch. A grown buffer
+    replaces the old one, which stays alive: a CUDA graph captured with it keeps its pointer."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.index if device.index is not None else -1, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OLD_COUNTERS.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 def decode_partitions(max_context_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
     """(num_partitions, partition_size): partition_size is a multiple of the kernel's tile `block_n`."""
     size = math.ceil(math.ceil(max_context_len / num_splits) / block_n) * block_n
@@ -336,10 +359,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """`paged_decode_attention` with the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages) and
+    `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages),
     DOT_16BIT (default True for bf16/fp16: `tl.dot` on the 16-bit tiles; False: the previous fp32
-    upcast with TF32 dots; fp32 inputs: False only): the tuning sweep of bench/paged_attention.py
-    uses it."""
+    upcast with TF32 dots; fp32 inputs: False only) and FUSED_REDUCE (split-K merged by the last
+    partition program in the same launch, where there are at most DECODE_FUSED_MAX_PARTITIONS
+    partitions; else the merge kernel): the tuning sweep of bench/paged_attention.py uses it.
+    Launches with FUSED_REDUCE on one device and stream share counters: they must not run
+    concurrently from two threads on one stream."""
     import triton
 
     from hybridengine.kernels.paged_attention import paged_decode_kernel, paged_decode_reduce_kernel
@@ -359,7 +385,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if batch == 0:
         return out
 
-    cfg = {"DOT_16BIT": q.dtype != torch.float32} | _decode_config(q.device, head_dim)
+    cfg = {"DOT_16BIT": q.dtype != torch.float32, "FUSED_REDUCE": DECODE_FUSED_REDUCE} | _decode_config(q.device, head_dim)
     unknown = set(config or {}) - set(cfg)
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")
@@ -367,11 +393,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if not isinstance(cfg["DOT_16BIT"], bool) or (cfg["DOT_16BIT"] and q.dtype == torch.float32):
         raise ValueError(f"config DOT_16BIT must be a bool, and False for float32 inputs, got "
                          f"{cfg['DOT_16BIT']!r} with {q.dtype} inputs")
+    if not isinstance(cfg["FUSED_REDUCE"], bool):
+        raise ValueError(f"config FUSED_REDUCE must be a bool, got {cfg['FUSED_REDUCE']!r}")
     block_n = cfg.pop("BLOCK_N")
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
     num_partitions, partition_size = decode_partitions(max_context_len, num_splits, block_n)
     split = num_partitions > 1
+    fused = cfg.pop("FUSED_REDUCE") and split and num_partitions <= DECODE_FUSED_MAX_PARTITIONS
     block_d = triton.next_power_of_2(head_dim)
     if split:
         acc_part = torch.empty(batch, num_q_heads, num_partitions, block_d, dtype=torch.float32, device=q.device)
@@ -379,8 +408,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         l_part = torch.empty_like(m_part)
     else:  # unused by the kernel (SPLIT is a constexpr)
         acc_part = m_part = l_part = out
+    counters = _split_counters(q.device, batch * num_kv_heads) if fused else out
     paged_decode_kernel[(num_kv_heads, batch, num_partitions)](
-        q, k_cache, v_cache, block_tables, context_lens, out, acc_part, m_part, l_part,
+        q, k_cache, v_cache, block_tables, context_lens, out, acc_part, m_part, l_part, counters,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -390,9 +420,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
         # the interpreter's tl.dot reads bf16 operands' bits as integers: it multiplies fp32 copies (same products)
-        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, **cfg,
+        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, FUSED_REDUCE=fused,
+        P_PAD=triton.next_power_of_2(num_partitions) if fused else 1, **cfg,
     )
-    if split:
+    if split and not fused:
         block_dr = min(block_d, DECODE_REDUCE_BLOCK_D)
         paged_decode_reduce_kernel[(batch, num_q_heads, block_d // block_dr)](
             acc_part, m_part, l_part, out, out.stride(0), out.stride(1), num_partitions, num_q_heads,

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import ParamSpec, ShardedLayout, merge_segments
-from .ops import prepare_table, segment_copy
+from .ops import copy_2d, prepare_runs, prepare_table, segment_copy
 from .vmm import VmmRange
 
 SWITCH_BATCH_BYTES = (256 << 20, 2 << 30)
@@ -41,6 +41,9 @@ switch receives, so that three batches map under an all-gather. In the switch su
 (2 x H200, run 20261130T142229Z-1d2c, rows switch_batch_sweep) 7B took
 29.0 ms at 2 GiB against 30.2-30.9 ms at 0.25-1 GiB, 8 GiB or one all-gather per unit, and 1.5B
 7.3 ms at 256 MiB against 8.3-9.4 ms at 1-8 GiB (one batch after the first: no mapping overlapped)."""
+
+RESHARD_COPIES = ("kernel", "copy_engine")
+"""How ShardedBuffer packs and unpacks units at tg > 1 (its `reshard_copy`)."""
 
 # torch 2.13 renamed the tensor collectives (same signatures); 2.11 only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -222,7 +225,7 @@ class ShardedBuffer:
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
                  timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None,
                  batch_page_calls: bool = False, direct_gather: bool = False,
-                 prefetch_unpack_blocks: int | None = None):
+                 prefetch_unpack_blocks: int | None = None, reshard_copy: str = "kernel"):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
         `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
         (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES).
@@ -239,7 +242,14 @@ class ShardedBuffer:
         beside the next unit's all-gather, so that it leaves SMs to NCCL. None: 3/4 of the device's SMs
         (99 on an H200: 4 prefetched 7B layers 1.07 ms per layer against 1.12 unbounded, 1.08 at 66
         blocks and 1.46-2.4 at 16-8, where the unpack outlasts the all-gather; run 20261130T192932Z-fb9f);
-        0: no bound."""
+        0: no bound.
+        `reshard_copy` (tg > 1): what does the unpack after a training gather and the pack before a
+        gradient reduce-scatter. "kernel": the fused segment-copy kernel (SMs). "copy_engine": one
+        `cudaMemcpy2DAsync` per 2-D run of the unit's table, ~15 per decoder layer (`ops.copy_2d`):
+        the DMA copy engines do the copy, so a prefetched unit's unpack leaves every SM to the next
+        unit's all-gather (and a gradient's pack to the backward's GEMMs). Same bytes, same result."""
+        if reshard_copy not in RESHARD_COPIES:
+            raise ValueError(f"reshard_copy must be one of {RESHARD_COPIES}, got {reshard_copy!r}")
         if switch_batch_bytes is not None and (not isinstance(switch_batch_bytes, int) or switch_batch_bytes < 0):
             raise ValueError(f"switch_batch_bytes must be None or an int >= 0, got {switch_batch_bytes!r}")
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
@@ -287,11 +297,13 @@ class ShardedBuffer:
             raise ValueError(f"prefetch_unpack_blocks must be None or an int >= 0 (0: no bound), got "
                              f"{prefetch_unpack_blocks!r}")
         self.prefetch_unpack_blocks = prefetch_unpack_blocks
+        self.reshard_copy = reshard_copy
         self._direct: list[_DirectPlan | None] = [None] * len(self.layout.units)
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
         self.state = "training"
         self._unpack = [None] * len(self.layout.units)
         self._pack = [None] * len(self.layout.units)
+        self._runs: dict[tuple[int, bool], torch.Tensor] = {}
         cuda = self.device.type == "cuda"
         self._side_stream = torch.cuda.Stream(self.device) if cuda else None  # prefetch all-gathers
         self._unpack_stream = torch.cuda.Stream(self.device) if cuda else None  # their unpacks (tg > 1)
@@ -463,6 +475,19 @@ class ShardedBuffer:
                                      device=self.device)
         return cache[u]
 
+    def _reshard(self, u: int, src: torch.Tensor, dst: torch.Tensor, pack: bool, max_blocks: int = 0) -> None:
+        """Unit u natural -> slice-major (pack) or back, with the segment-copy kernel or the copy engines."""
+        if self.reshard_copy == "kernel":
+            segment_copy(src, dst, self._table(u, pack), max_blocks=max_blocks)
+            return
+        key = (u, pack)
+        if key not in self._runs:
+            unit = self.layout.units[u]
+            src_n, dst_n = (unit.natural_numel, unit.numel) if pack else (unit.numel, unit.natural_numel)
+            table = unit.pack_table() if pack else unit.unpack_table()
+            self._runs[key] = prepare_runs(table, src_numel=src_n, dst_numel=dst_n)
+        copy_2d(src, dst, self._runs[key])
+
     def pack_unit(self, u: int, natural: torch.Tensor) -> torch.Tensor:
         """Natural -> slice-major (padding zero; replicated params copied into every slice)."""
         unit = self.layout.units[u]
@@ -470,7 +495,7 @@ class ShardedBuffer:
         if self.layout.tp_size == 1:
             packed[:unit.natural_numel].copy_(natural[:unit.natural_numel])
         else:
-            segment_copy(natural, packed, self._table(u, pack=True))
+            self._reshard(u, natural, packed, pack=True)
         return packed
 
     def _gather_packed(self, u: int) -> torch.Tensor:
@@ -486,7 +511,7 @@ class ShardedBuffer:
 
     def _unpack_unit(self, u: int, full: torch.Tensor, max_blocks: int = 0) -> torch.Tensor:
         natural = torch.empty(self.layout.units[u].natural_numel, dtype=full.dtype, device=self.device)
-        segment_copy(full, natural, self._table(u, pack=False), max_blocks=max_blocks)
+        self._reshard(u, full, natural, pack=False, max_blocks=max_blocks)
         return natural
 
     def _gather(self, u: int) -> torch.Tensor:

@@ -192,6 +192,12 @@ def test_direct_gather_when_tg_is_n():
     spawn(_check_world, 2, "tied-no-bias", torch.float32, {"direct_gather": True})
 
 
+@pytest.mark.parametrize("world_size,model", [(3, "odd-hidden"), (4, "gqa-untied")])
+def test_copy_engine_reshard(world_size, model):
+    """reshard_copy="copy_engine": the pack and unpack as 2-D runs (ops.copy_2d), the same bits."""
+    spawn(_check_world, world_size, model, torch.float32, {"reshard_copy": "copy_engine"})
+
+
 def test_direct_gather_plan_and_argument():
     """The plan of direct_gather at N == tg: column-parallel (and undivided-vocab) parameters gather in
     place, the rest is staged; the staging table maps every staged natural element exactly once.
@@ -523,6 +529,8 @@ def test_switch_batch_bytes_argument():
     for bad in (-1, 2.0):
         with pytest.raises(ValueError, match="prefetch_unpack_blocks must be None or an int >= 0"):
             ShardedBuffer(specs, dtype=torch.float32, prefetch_unpack_blocks=bad)
+    with pytest.raises(ValueError, match="reshard_copy must be one of"):
+        ShardedBuffer(specs, dtype=torch.float32, reshard_copy="dma")
     for bad in (-1, 1.5, "2GiB"):
         with pytest.raises(ValueError, match="switch_batch_bytes must be None or an int >= 0"):
             ShardedBuffer(specs, dtype=torch.float32, switch_batch_bytes=bad)
