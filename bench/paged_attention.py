@@ -274,9 +274,9 @@ SPLIT_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in ((32,
 
 
 def paged_attention_splits(ctx: Ctx) -> None:
-    """Split count x tile config x merge (second kernel, or FUSED_REDUCE in the last partition program)
-    where split-K decides the time (small batches, long contexts), beside dense SDPA in the same run.
-    Rows carry case sweep="splits". GPU only."""
+    """Split count x tile config where split-K decides the time (small batches, long contexts), beside
+    dense SDPA in the same run. Rows carry case sweep="splits". GPU only. (Run 20261130T201033Z-1199
+    also timed a merge in the last partition program, case fused_reduce: slower everywhere, removed.)"""
     from hybridengine import attention
 
     if not ctx.cuda:
@@ -305,27 +305,22 @@ def paged_attention_splits(ctx: Ctx) -> None:
         for config in SPLIT_CONFIGS:
             for splits in split_counts:
                 parts, size = attention.decode_partitions(context, splits, config["BLOCK_N"])
-                for fused in (False, True):
-                    if fused and parts > attention.DECODE_FUSED_MAX_PARTITIONS:
-                        continue
-                    case = dict(base, split="forced", num_partitions=parts, partition_size=size,
-                                fused_reduce=fused, **config)
+                case = dict(base, split="forced", num_partitions=parts, partition_size=size, **config)
 
-                    def fn(splits=splits, config=config | {"FUSED_REDUCE": fused}):
-                        return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
-                                                                       num_splits=splits, max_context_len=context,
-                                                                       config=config)
-                    try:
-                        _check(f"splits {splits} {config} fused={fused}", fn(), expected)
-                        times = cold_times(ctx, fn, warmup=5, repeats=30, flush=flush)
-                    except Exception as e:  # noqa: BLE001 - a failing config is a row, not a lost sweep
-                        ctx.rec.not_run("paged_attention", "hybridengine", MODEL,
-                                        f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
-                        continue
-                    ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
-                    median = quantiles(times)[1]
-                    best = min(best, (median, f"{parts} partitions of {size}, {config}, fused={fused}"),
-                               key=lambda x: x[0])
+                def fn(splits=splits, config=config):
+                    return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                                   num_splits=splits, max_context_len=context,
+                                                                   config=config)
+                try:
+                    _check(f"splits {splits} {config}", fn(), expected)
+                    times = cold_times(ctx, fn, warmup=5, repeats=30, flush=flush)
+                except Exception as e:  # noqa: BLE001 - a failing config is a row, not a lost sweep
+                    ctx.rec.not_run("paged_attention", "hybridengine", MODEL,
+                                    f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
+                    continue
+                ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
+                median = quantiles(times)[1]
+                best = min(best, (median, f"{parts} partitions of {size}, {config}"), key=lambda x: x[0])
         ctx.log(f"paged_attention splits B={batch} ctx={context}: sdpa {sdpa_s * 1e6:.1f} us; best "
                 f"{best[0] * 1e6:.1f} us ({nbytes / best[0] / 1e9:,.0f} GB/s, {sdpa_s / best[0]:.2f}x sdpa) "
                 f"with {best[1]}")

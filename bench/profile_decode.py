@@ -215,7 +215,7 @@ def _time_kernel_configs(engine, ids, params, args) -> dict:
         for spec in args.kernel_configs.split(","):
             n, w, s, dot = (int(x) for x in spec.split(":"))
             config = dict(BLOCK_N=n, num_warps=w, num_stages=s, DOT_16BIT=bool(dot))
-            attention._decode_config = lambda device, head_dim, config=config: dict(config)
+            attention._decode_config = lambda device, head_dim, split=False, config=config: dict(config)
             with engine.rollout():
                 engine.generate(ids, params)  # warm-up and capture
                 steps = []

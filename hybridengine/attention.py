@@ -39,15 +39,16 @@ DECODE_REDUCE_BLOCK_D = 32
 """head_dim slice per program of the split-K merge kernel."""
 DECODE_REDUCE_CHUNK = 64
 """Partitions merged per load by the split-K merge kernel ([64, 32] fp32 tile: 16 values a thread at 4 warps)."""
-DECODE_FUSED_MAX_PARTITIONS = 64
-"""Split-K with FUSED_REDUCE merges in the last partition program when there are at most this many
-partitions (its merge loads a [partitions, head_dim] fp32 tile per query head); more take the merge kernel."""
-DECODE_FUSED_REDUCE = False
-"""Default of the decode launch's config FUSED_REDUCE."""
-DECODE_TARGET_WAVES = 4
-"""Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 4 x SMs). H200
-sweep (bench/results, 2026-11-30, Qwen2-7B heads): B = 16 at 4k 57 -> 51 us and at 16k 186 -> 156 us
-going from 2 to 4-8 waves; B = 1 at 16k best with 128 partitions of 128 tokens (21.9 us)."""
+DECODE_TARGET_WAVES = 2
+"""Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 2 x SMs), each
+over 128-token tiles (`_decode_config(split=True)`). Split sweep on an H200 (run 20261130T201033Z-1199,
+Qwen2-7B heads, cold L2; rows case sweep="splits"): B = 1, 16k: 64 partitions of 256 tokens, 128-token
+tiles 22.0-23.1 us against 23.9 us for the previous plan (128 partitions, 32-token tiles) and 24.6-58 us
+for 16-47 partitions; B = 1, 4k: 32 partitions of 128 tokens, 14.3-15.4 us against 16.4 us; B = 16:
+4-6 partitions 48.2 us at 4k (9 of 32-token tiles: 52.4) and 146-149 us at 16k (158.5). A merge done
+by each head's last partition program in the same launch (instead of the merge kernel) was slower
+in every case of that sweep (B = 1, 16k: 29-42 us): one program's dependent loads of all the
+partials cost more than the second launch."""
 DECODE_SPLIT_BELOW = 0.5
 """No split while B * num_kv_heads >= this fraction of the SMs: the plan is fixed at CUDA-graph capture
 for the cache's capacity, so at decode batch sizes (B = 64, 2 kv heads: 128 programs) a split would
@@ -294,8 +295,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     One program per (sequence, kv head) is enough when B * num_kv_heads >= DECODE_SPLIT_BELOW x
     num_sms; below that, split each context until about DECODE_TARGET_WAVES programs per SM run,
     keeping partitions >= DECODE_MIN_PARTITION tokens. Qwen2-7B per GPU (4 kv heads) on an H200
-    (132 SMs): B >= 17 does not split; B = 16 splits in 9 (contexts >= 1152); B = 1, 16k splits in
-    128 partitions of 128.
+    (132 SMs): B >= 17 does not split; B = 16 splits in 5 (contexts >= 640); B = 1, 16k splits in
+    64 partitions of 256 (66 asked, rounded to 128-token tiles), 4k in 32 of 128.
     Depends on host integers only, so a CUDA graph captured at a given (B, max_context_len) stays valid.
     """
     programs = batch * num_kv_heads
@@ -305,7 +306,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     return max(1, min(want, math.ceil(max_context_len / DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
-def _decode_config(device: torch.device, head_dim: int) -> dict:
+def _decode_config(device: torch.device, head_dim: int, split: bool = False) -> dict:
     # Chosen on the real decode step (`python -m bench.profile_decode --kernel-configs`, H200, B = 128,
     # prompts 128 + 256 new tokens, async scheduling; bench/results/profiles/decode_kernel_configs_*):
     # 32-token tiles, 4 warps, 4 stages, 16-bit dots: 7B 5.78 ms/step (best of six; the previous
@@ -313,29 +314,14 @@ def _decode_config(device: torch.device, head_dim: int) -> dict:
     # dots 2.55, TF32 2.63, 128 x 3 stages 2.68). The cold-L2 kernel sweep agrees at B = 1 / 16k (22.0 us,
     # best), B = 128 at 256 / 512 / 1k tokens (best) and B = 128 / 4k (within 0.2%). Under the
     # interpreter, 32-token tiles and one stage keep the tests fast.
+    # Split-K (few sequences, long contexts; DECODE_TARGET_WAVES) takes 128-token tiles, 3 stages.
     if device.type != "cuda":
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    if head_dim <= 128 and split:
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
     if head_dim <= 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=4)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-
-
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-_OLD_COUNTERS: list[torch.Tensor] = []
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the fused split-K merge, one per (sequence, kv head), per (device,
-    stream). The kernel returns each to 0, so they are zeroed once, not per launch. A grown buffer
-    replaces the old one, which stays alive: a CUDA graph captured with it keeps its pointer."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.index if device.index is not None else -1, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _OLD_COUNTERS.append(buf)
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
 
 
 def decode_partitions(max_context_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
@@ -349,7 +335,7 @@ def decode_partition_plan(batch: int, num_kv_heads: int, head_dim: int, max_cont
     """(num_partitions, partition_size) of the Triton decode launch; one partition runs the one-pass kernel."""
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(device))
-    return decode_partitions(max_context_len, num_splits, _decode_config(device, head_dim)["BLOCK_N"])
+    return decode_partitions(max_context_len, num_splits, _decode_config(device, head_dim, num_splits > 1)["BLOCK_N"])
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -359,13 +345,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """`paged_decode_attention` with the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages),
+    `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages) and
     DOT_16BIT (default True for bf16/fp16: `tl.dot` on the 16-bit tiles; False: the previous fp32
-    upcast with TF32 dots; fp32 inputs: False only) and FUSED_REDUCE (split-K merged by the last
-    partition program in the same launch, where there are at most DECODE_FUSED_MAX_PARTITIONS
-    partitions; else the merge kernel): the tuning sweep of bench/paged_attention.py uses it.
-    Launches with FUSED_REDUCE on one device and stream share counters: they must not run
-    concurrently from two threads on one stream."""
+    upcast with TF32 dots; fp32 inputs: False only): the tuning sweeps of bench/paged_attention.py
+    use it."""
     import triton
 
     from hybridengine.kernels.paged_attention import paged_decode_kernel, paged_decode_reduce_kernel
@@ -385,7 +368,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if batch == 0:
         return out
 
-    cfg = {"DOT_16BIT": q.dtype != torch.float32, "FUSED_REDUCE": DECODE_FUSED_REDUCE} | _decode_config(q.device, head_dim)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
+    cfg = {"DOT_16BIT": q.dtype != torch.float32} | _decode_config(q.device, head_dim, num_splits > 1)
     unknown = set(config or {}) - set(cfg)
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")
@@ -393,14 +378,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if not isinstance(cfg["DOT_16BIT"], bool) or (cfg["DOT_16BIT"] and q.dtype == torch.float32):
         raise ValueError(f"config DOT_16BIT must be a bool, and False for float32 inputs, got "
                          f"{cfg['DOT_16BIT']!r} with {q.dtype} inputs")
-    if not isinstance(cfg["FUSED_REDUCE"], bool):
-        raise ValueError(f"config FUSED_REDUCE must be a bool, got {cfg['FUSED_REDUCE']!r}")
     block_n = cfg.pop("BLOCK_N")
-    if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
     num_partitions, partition_size = decode_partitions(max_context_len, num_splits, block_n)
     split = num_partitions > 1
-    fused = cfg.pop("FUSED_REDUCE") and split and num_partitions <= DECODE_FUSED_MAX_PARTITIONS
     block_d = triton.next_power_of_2(head_dim)
     if split:
         acc_part = torch.empty(batch, num_q_heads, num_partitions, block_d, dtype=torch.float32, device=q.device)
@@ -408,9 +388,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         l_part = torch.empty_like(m_part)
     else:  # unused by the kernel (SPLIT is a constexpr)
         acc_part = m_part = l_part = out
-    counters = _split_counters(q.device, batch * num_kv_heads) if fused else out
     paged_decode_kernel[(num_kv_heads, batch, num_partitions)](
-        q, k_cache, v_cache, block_tables, context_lens, out, acc_part, m_part, l_part, counters,
+        q, k_cache, v_cache, block_tables, context_lens, out, acc_part, m_part, l_part,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -420,10 +399,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
         # the interpreter's tl.dot reads bf16 operands' bits as integers: it multiplies fp32 copies (same products)
-        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, FUSED_REDUCE=fused,
-        P_PAD=triton.next_power_of_2(num_partitions) if fused else 1, **cfg,
+        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, **cfg,
     )
-    if split and not fused:
+    if split:
         block_dr = min(block_d, DECODE_REDUCE_BLOCK_D)
         paged_decode_reduce_kernel[(batch, num_q_heads, block_d // block_dr)](
             acc_part, m_part, l_part, out, out.stride(0), out.stride(1), num_partitions, num_q_heads,

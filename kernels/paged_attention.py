@@ -9,9 +9,7 @@ block-table entry, so BLOCK_N and the page size are independent.
 
 With `SPLIT`, each program covers one partition of the context (flash-decoding) and writes its
 unnormalised accumulator, running max and exp-sum; `paged_decode_reduce_kernel` merges the
-partitions in a second launch, or, with `FUSED_REDUCE`, the last program of each (sequence, kv
-head) to finish merges them in the same launch (`_merge_if_last`, a counter per (sequence, kv head)).
-Without it, the one partition is the whole context and the output is written directly.
+partitions. Without it, the one partition is the whole context and the output is written directly.
 
 Math: fp32 math after the loads, with the tiles fed to the tensor cores in their stored dtype.
 `DOT_16BIT` (the launcher's default for bf16/fp16): both `tl.dot`s take 16-bit operands and
@@ -53,7 +51,7 @@ def _dot_16bit(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def paged_decode_kernel(
     Q, K_cache, V_cache, Block_tables, Context_lens,
-    Out, Acc_part, M_part, L_part, Counters,
+    Out, Acc_part, M_part, L_part,
     stride_qb, stride_qh,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
@@ -61,7 +59,7 @@ def paged_decode_kernel(
     scale_log2, window, max_blocks, partition_size, num_partitions,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr, FUSED_REDUCE: tl.constexpr, P_PAD: tl.constexpr,
+    DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -131,47 +129,10 @@ def paged_decode_kernel(
         tl.store(Acc_part + row[:, None] * BLOCK_D + d[None, :], acc, mask=out_mask)
         tl.store(M_part + row, m, mask=row_ok)
         tl.store(L_part + row, l, mask=row_ok)
-        if FUSED_REDUCE:
-            _merge_if_last(Acc_part, M_part, L_part, Out, Counters + seq * tl.num_programs(0) + kv_head,
-                           (seq * (GROUP * tl.num_programs(0)) + kv_head * GROUP) * num_partitions, seq, kv_head,
-                           stride_ob, stride_oh, num_partitions, GROUP, HEAD_DIM, BLOCK_D, P_PAD)
     else:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # context 0 (a padding row): zeros
         tl.store(Out + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _merge_if_last(Acc_part, M_part, L_part, Out, counter, row0, seq, kv_head, stride_ob, stride_oh, num_partitions,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, P_PAD: tl.constexpr):
-    """Split-K in one launch: the last of a (sequence, kv head)'s partition programs to finish merges
-    all of them (what `paged_decode_reduce_kernel` does in a second launch).
-
-    Every thread's partial stores precede the barrier; the counter's acq_rel increment (one per
-    program, at gpu scope) publishes them and, in the program that sees num_partitions - 1, orders
-    its reads of the others' partials after their stores. That program resets the counter to 0, so
-    the buffer is ready for the next launch (and for a CUDA graph replay) without a memset. The
-    merge reads each query head's [P_PAD, BLOCK_D] partials in one load; the head loop is unrolled
-    so the GROUP loads are in flight together."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == num_partitions - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        p = tl.arange(0, P_PAD)
-        p_ok = p < num_partitions
-        d = tl.arange(0, BLOCK_D)
-        for g in tl.static_range(GROUP):
-            row = row0 + g * num_partitions + p
-            m = tl.load(M_part + row, mask=p_ok, other=float("-inf"), cache_modifier=".cg")
-            m_top = tl.max(m, 0)
-            m_top = tl.where(m_top == float("-inf"), 0.0, m_top)  # every partition empty (context 0)
-            w = tl.exp2(m - m_top)
-            norm = tl.sum(w * tl.load(L_part + row, mask=p_ok, other=0.0, cache_modifier=".cg"), 0)
-            acc = tl.load(Acc_part + row[:, None] * BLOCK_D + d[None, :], mask=p_ok[:, None], other=0.0,
-                          cache_modifier=".cg")
-            out = tl.sum(acc * w[:, None], 0) / tl.where(norm == 0.0, 1.0, norm)
-            tl.store(Out + seq * stride_ob + (kv_head * GROUP + g) * stride_oh + d,
-                     out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit

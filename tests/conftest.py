@@ -21,6 +21,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+throws_in_extension = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="calls an extension op that throws: a C++ exception out of hybridengine._C segfaulted the GPU machine's "
+           "torch 2.11 process (custom-class methods and ops alike, ../shared/device/NOTES.md); CPU CI runs it")
+"""For tests of the C++ ops' own argument checks (the Python wrappers check first and never reach them)."""
+
+
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE

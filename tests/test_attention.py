@@ -331,45 +331,6 @@ def test_paged_decode_padding_rows_and_max_context_len(device):
     assert A.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=0.125, out=out) is out
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,lens,kw", DECODE_CASES)
-def test_paged_decode_fused_reduce(device, num_q_heads, num_kv_heads, head_dim, block_size, lens, kw):
-    """FUSED_REDUCE: split-K merged by each (sequence, kv head)'s last partition program in the same
-    launch. Same result as the reference; the counters are back at 0 after the call (a second call,
-    as a CUDA graph replay would make, gives the same bits); no merge kernel is launched."""
-    inputs = decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, lens, torch.bfloat16, device, **kw)
-    first = check_decode(*inputs, num_splits=4, config=dict(FUSED_REDUCE=True))
-    counters = A._split_counters(device, len(lens) * num_kv_heads)
-    assert not counters.any()
-    second = A.paged_decode_attention_triton(*inputs, scale=head_dim**-0.5, num_splits=4,
-                                             config=dict(FUSED_REDUCE=True))
-    assert torch.equal(first, second)
-
-
-def test_paged_decode_fused_reduce_limits(device, monkeypatch):
-    """Context-0 rows (every partition empty) give zeros; over DECODE_FUSED_MAX_PARTITIONS partitions (here 2 > 1) the
-    merge kernel runs instead, with the same result."""
-    from hybridengine.kernels import paged_attention as kernels
-
-    q, k_cache, v_cache, table, lens = decode_inputs(8, 2, 64, 16, [5, 47, 9], torch.bfloat16, device)
-    lens[0] = lens[2] = 0
-    out = check_decode(q, k_cache, v_cache, table, lens, num_splits=3, config=dict(FUSED_REDUCE=True))
-    assert (out[0] == 0).all() and (out[2] == 0).all()
-    launched = []
-    merge = kernels.paged_decode_reduce_kernel
-
-    class _Count:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return merge[grid]
-
-    monkeypatch.setattr(kernels, "paged_decode_reduce_kernel", _Count())
-    check_decode(q, k_cache, v_cache, table, lens, num_splits=3, config=dict(FUSED_REDUCE=True))
-    assert launched == []
-    monkeypatch.setattr(A, "DECODE_FUSED_MAX_PARTITIONS", 1)
-    check_decode(q, k_cache, v_cache, table, lens, num_splits=3, config=dict(FUSED_REDUCE=True))
-    assert len(launched) == 1
-
-
 def test_paged_decode_config_override(device):
     """The tuning override (tile, warps, stages) changes the launch, not the result; partitions follow its tile."""
     inputs = decode_inputs(7, 1, 64, 16, [70, 33, 5], torch.bfloat16, device)
@@ -392,11 +353,13 @@ def test_decode_num_splits_rule():
     assert A.decode_num_splits(128, 4, 1024, sms) == 1         # 512 programs fill the GPU
     assert A.decode_num_splits(17, 4, 1024, sms) == 1          # 68 programs: at least half the SMs
     assert A.decode_num_splits(64, 2, 1024, sms) == 1          # 1.5B decode batch: 128 programs
-    assert A.decode_num_splits(16, 4, 4096, sms) == 9          # 64 programs -> ceil(528 / 64)
-    assert A.decode_num_splits(16, 4, 1024, sms) == 8          # partitions >= 128 tokens
-    assert A.decode_num_splits(1, 4, 16384, sms) == 128        # 132 wanted, 128 tokens at least
-    assert A.decode_partitions(16384, 128, 64) == (128, 128)
-    assert A.decode_num_splits(1, 1, 10**6, sms) == 512        # capped at DECODE_MAX_SPLITS
+    assert A.decode_num_splits(16, 4, 4096, sms) == 5          # 64 programs -> ceil(264 / 64)
+    assert A.decode_num_splits(16, 4, 512, sms) == 4           # partitions >= 128 tokens
+    assert A.decode_num_splits(1, 4, 16384, sms) == 66         # 2 waves of 132 SMs
+    assert A.decode_num_splits(1, 4, 4096, sms) == 32          # 66 wanted, 128 tokens at least
+    assert A.decode_partitions(16384, 66, 128) == (64, 256)    # 249 rounded up to whole 128-token tiles
+    assert A.decode_num_splits(1, 1, 10**6, sms) == 264        # 2 waves of single-sequence programs
+    assert A.decode_num_splits(1, 1, 10**6, 1024) == 512       # capped at DECODE_MAX_SPLITS
     assert A.decode_num_splits(1, 4, 100, sms) == 1
     assert A.decode_partitions(100, 3, 32) == (2, 64)         # 34 rounded up to whole 32-token tiles
     assert A.decode_partitions(65, 1, 32) == (1, 96)
@@ -427,8 +390,7 @@ def _decode_args(device):
     (lambda a: a.update(max_context_len=10**6), r"max_context_len must be an int in \[1, 48\]"),
     (lambda a: a.update(out=a["q"].float()), "out must be torch.bfloat16"),
     (lambda a: a.update(config=dict(BLOCK_M=16)),
-     r"config keys must be among \['BLOCK_N', 'DOT_16BIT', 'FUSED_REDUCE', 'num_stages', 'num_warps'\]"),
-    (lambda a: a.update(config=dict(FUSED_REDUCE=1)), "config FUSED_REDUCE must be a bool, got 1"),
+     r"config keys must be among \['BLOCK_N', 'DOT_16BIT', 'num_stages', 'num_warps'\]"),
     (lambda a: a.update(config=dict(DOT_16BIT=1)), "config DOT_16BIT must be a bool, .* got 1 with torch.bfloat16"),
     (lambda a: a.update(q=a["q"].float(), k_cache=a["k_cache"].float(), v_cache=a["v_cache"].float(),
                         config=dict(DOT_16BIT=True)), "False for float32 inputs, got True with torch.float32"),

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from hybridengine import ops
+from conftest import throws_in_extension
 from hybridengine.ops import prepare_table, segment_copy, segment_copy_ref, split_rows, validate_table
 
 pytestmark = pytest.mark.skipif(ops.EXTENSION_ERROR is not None, reason="hybridengine._C is not built")
@@ -85,6 +86,7 @@ BAD_TABLES = [
 ]
 
 
+@throws_in_extension
 @pytest.mark.parametrize("table,match", BAD_TABLES)
 def test_bad_tables_raise_and_leave_dst(table, match):
     src, dst = torch.arange(10.0), torch.full((10,), -1.0)
@@ -112,6 +114,7 @@ def test_bad_arguments(src, dst, table, match):
         segment_copy(src, dst, table)
 
 
+@throws_in_extension
 def test_max_blocks_argument():
     """max_blocks bounds the CUDA grid; on CPU it changes nothing; negative values are refused by the
     wrapper and the C++ op alike, leaving dst alone."""
@@ -128,6 +131,7 @@ def test_max_blocks_argument():
     assert not untouched.any()
 
 
+@throws_in_extension
 def test_overlapping_src_and_dst_rejected_by_op():
     buf = torch.arange(10.0)
     with pytest.raises(ValueError, match="overlap in memory"):

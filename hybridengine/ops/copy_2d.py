@@ -66,6 +66,23 @@ def _check_args(src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor) -> Non
                          f"{runs.dtype} {tuple(runs.shape)} on {runs.device}")
 
 
+def check_runs(runs: torch.Tensor, src_numel: int, dst_numel: int) -> None:
+    """Raise ValueError naming the first run that is negative, has a pitch below its width, or reaches
+    past src or dst (what the C++ op checks too; checked here first, so bad runs never reach it)."""
+    if runs.numel() == 0:
+        return
+    s, d, w, h, sp, dp = runs.unbind(1)
+    live = (w > 0) & (h > 0)
+    last = torch.clamp(h - 1, min=0)
+    for what, bad in (("has a negative offset or size", (s < 0) | (d < 0) | (w < 0) | (h < 0)),
+                      ("has pitches smaller than its width", live & (h > 1) & ((sp < w) | (dp < w))),
+                      (f"reads past src ({src_numel} elements)", live & (s + last * sp + w > src_numel)),
+                      (f"writes past dst ({dst_numel} elements)", live & (d + last * dp + w > dst_numel))):
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"copy_2d: run {i} {what}: {runs[i].tolist()}")
+
+
 def prepare_runs(table: torch.Tensor, *, src_numel: int, dst_numel: int) -> torch.Tensor:
     """Validate a host segment table once (bounds, overlapping destinations) and group it into runs."""
     validate_table(table, src_numel, dst_numel)
@@ -75,6 +92,7 @@ def prepare_runs(table: torch.Tensor, *, src_numel: int, dst_numel: int) -> torc
 def copy_2d_ref(src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor) -> None:
     """Plain-torch reference: one strided view assignment per run."""
     _check_args(src, dst, runs)
+    check_runs(runs, src.numel(), dst.numel())
     validate_table(table_from_runs(runs), src.numel(), dst.numel())
     for s, d, w, h, sp, dp in runs.tolist():
         if w and h:
@@ -85,6 +103,7 @@ def copy_2d(src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor) -> None:
     """The runs' copies in place, with the fastest available op (CUDA: one cudaMemcpy2DAsync per run
     on the current stream). Every run is bounds-checked before anything is copied."""
     _check_args(src, dst, runs)
+    check_runs(runs, src.numel(), dst.numel())
     if extension_has("copy_2d", src.device.type):
         torch.ops.hybridengine.copy_2d(src, dst, runs)
         return
