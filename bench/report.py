@@ -422,6 +422,8 @@ def _gather_label(r: dict) -> str:
         return ""
     if r["case"].get("gather") == "direct":
         return ", column params in place + unpack of the rest (direct_gather, not the default)"
+    if r["case"].get("gather") == "p2p":
+        return " + unpack, by send/recv in chunks (p2p_gather)"
     if r["case"].get("reshard_copy") == "copy_engine":
         return " + unpack on the copy engines (reshard_copy='copy_engine')"
     return " + unpack"
@@ -455,7 +457,9 @@ def unit_gather_section(rows: list[dict]) -> str:
             for r in (r for r in ours if r["case"].get("pipelined", 0) == piped):
                 bw = twin(rows, r, "busbw_GB_per_s")
                 what = (f"hybridengine tg={r['case'].get('tg')}" + _gather_label(r)
-                        + (f", {piped} layers pipelined (per layer)" if piped else "")
+                        + (f", {piped} layers pipelined (per layer"
+                           + (f", {r['case']['lookahead']} prefetched ahead)" if "lookahead" in r["case"] else ")")
+                           if piped else "")
                         + _unpack_blocks_label(r))
                 body.append([model, sig(r["case"].get("MB")), what, dur_spread(r), sig(bw and bw["value"]),
                              ratio(bw and bw["value"], nccl_bw and nccl_bw["value"]) + nccl_mark,

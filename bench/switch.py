@@ -258,13 +258,12 @@ def unit_gather(ctx: Ctx) -> None:
         specs, cfg = _specs(model)
         layer = [s for s in specs if s.unit == "layers.0"]
         unit_bytes = None
-        for tp, direct, reshard in _gather_variants(ctx.world):
-            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct),
-                                reshard_copy=reshard)
+        for tp, kwargs in _gather_variants(ctx.world):
+            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp, **kwargs)
             _fill(buf)
             unit = buf.layout.units[0]
             unit_bytes = unit.numel * buf.layout.element_size
-            name, variant = _gather_case(tp, direct, reshard)
+            name, variant = _gather_case(tp, kwargs, ctx.world)
             times = ctx.measure(lambda: buf.gather_unit(0), warmup=3, repeats=20, desc=f"gather {name}")
             case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1) | variant
             ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
@@ -273,6 +272,7 @@ def unit_gather(ctx: Ctx) -> None:
             ctx.log(f"  unit gather {model} {name}: {quantiles(times)[1] * 1e3:.3f} ms for {unit_bytes / 1e6:.0f} MB")
             buf.close()
         _pipelined(ctx, model, specs, dtype)
+        _pipelined(ctx, model, specs, dtype, layers=8, lookahead=1)
         raw = _nccl_floor(ctx, unit_bytes // 2, dtype, "raw all-gather")
         ctx.rec.add("unit_gather", "nccl", model, dict(unit="layers.0", MB=round(unit_bytes / 1e6, 1)), "seconds", raw)
         ctx.rec.add("unit_gather", "nccl", model, dict(unit="layers.0", MB=round(unit_bytes / 1e6, 1)),
@@ -281,76 +281,84 @@ def unit_gather(ctx: Ctx) -> None:
         _fsdp2_layer(ctx, model, cfg)
 
 
-_GATHER = {True: "direct", False: "staged"}
-"""Case value of the training gather at N == tg: the whole unit gathered and unpacked (staged, the
-default) or column-parallel parameters gathered in place (direct_gather=True)."""
-
-
 UNPACK_BLOCKS_SWEEP = (0, 66, 132)
 """With HE_UNPACK_SWEEP=1: grid bounds tried for a prefetched unit's unpack beside the default (ShardedBuffer.prefetch_unpack_blocks:
 3/4 of the SMs, 99 on an H200; 0: unbounded). 8-32 blocks made the unpack outlast the next all-gather
 (run 20261130T192828Z-5e6d); 100 was best of 66-264 (run 20261130T192932Z-fb9f)."""
 
 
-def _gather_variants(world: int) -> list[tuple[int, bool | None, str]]:
-    """(tg, direct_gather, reshard_copy) triples the unit gathers run: both gathers where N == tg > 1, and
-    the staged unpack by the segment-copy kernel and by the copy engines where tg > 1."""
+def _gather_variants(world: int) -> list[tuple[int, dict]]:
+    """(tg, ShardedBuffer kwargs) of the unit gathers run. tg > 1: the default (all-gather + unpack kernel),
+    the unpack on the copy engines, and the send/recv gather (p2p_gather); where N == tg > 1 also the
+    column parameters gathered in place (direct_gather)."""
     out = []
     for tp in (d for d in (1, 2) if world % d == 0):
+        out.append((tp, {}))
+        if tp > 1:
+            out += [(tp, {"p2p_gather": True}), (tp, {"reshard_copy": "copy_engine"})]
         if tp == world > 1:
-            out += [(tp, True, "kernel"), (tp, False, "kernel"), (tp, False, "copy_engine")]
-        elif tp > 1:
-            out += [(tp, None, "kernel"), (tp, None, "copy_engine")]
-        else:
-            out += [(tp, None, "kernel")]
+            out.append((tp, {"direct_gather": True}))
     return out
 
 
-def _gather_case(tp: int, direct: bool | None, reshard: str = "kernel") -> tuple[str, dict]:
-    """Log name and case entries of a unit-gather variant (reshard_copy only where it is not the default)."""
+def _gather_case(tp: int, kwargs: dict, world: int) -> tuple[str, dict]:
+    """Log name and case entries of a unit-gather variant (rows at N == tg name the gather, as before)."""
     name, case = f"tg={tp}", {}
-    if direct is not None:
-        name, case = f"{name} {_GATHER[direct]}", {"gather": _GATHER[direct]}
-    if reshard != "kernel":
-        name, case = f"{name}, unpack on the {reshard.replace('_', ' ')}s", case | {"reshard_copy": reshard}
+    if kwargs.get("direct_gather"):
+        return f"{name} direct", {"gather": "direct"}
+    if kwargs.get("p2p_gather"):
+        return f"{name} send/recv", {"gather": "p2p"}
+    if tp == world > 1:
+        name, case = f"{name} staged", {"gather": "staged"}
+    if kwargs.get("reshard_copy", "kernel") != "kernel":
+        name, case = f"{name}, unpack on the copy engines", case | {"reshard_copy": kwargs["reshard_copy"]}
     return name, case
 
 
-def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4) -> None:
-    """Training's steady state: `layers` decoder layers prefetched back to back (all-gathers on the side
-    stream, unpacks on their own stream) and consumed in order, time per layer; against the same
-    number of raw all-gathers of a layer's bytes back to back."""
+def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4, lookahead: int | None = None) -> None:
+    """Training's steady state: `layers` decoder layers gathered on the side stream (unpacks on their own
+    stream) and consumed in order, time per layer; against the same number of raw all-gathers of a
+    layer's bytes back to back. lookahead None: every layer prefetched before the first is consumed;
+    1: layer u + 1 prefetched just before layer u is consumed, as a training forward does."""
     from hybridengine.sharded import ShardedBuffer
 
     names = {f"layers.{i}" for i in range(layers)}
     sub = [s for s in specs if s.unit in names]
-    for tp, direct, reshard in _gather_variants(ctx.world):
-        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, direct_gather=bool(direct),
-                            reshard_copy=reshard)
-        name, variant = _gather_case(tp, direct, reshard)
+    for tp, kwargs in _gather_variants(ctx.world):
+        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, **kwargs)
+        name, variant = _gather_case(tp, kwargs, ctx.world)
         _fill(buf)
         n = len(buf.layout.units)
         unit_bytes = buf.layout.units[0].numel * buf.layout.element_size
 
         def run():
+            if lookahead is None:
+                for u in range(n):
+                    buf.prefetch_unit(u)
+            else:
+                buf.prefetch_unit(0)
             for u in range(n):
-                buf.prefetch_unit(u)
-            for u in range(n):
+                if lookahead is not None:
+                    for v in range(u + 1, min(n, u + 1 + lookahead)):
+                        buf.prefetch_unit(v)
                 buf.gather_unit(u)
 
         # The staged unpack beside the next all-gather, its grid unbounded and bounded (prefetch_unpack_blocks).
         default = buf.prefetch_unpack_blocks
-        sweep = tp > 1 and not direct and reshard == "kernel" and bool(os.environ.get("HE_UNPACK_SWEEP"))
+        sweep = tp > 1 and not kwargs and bool(os.environ.get("HE_UNPACK_SWEEP"))
         for blocks in [default] + (list(UNPACK_BLOCKS_SWEEP) if sweep else []):
             buf.prefetch_unpack_blocks = blocks
             label = name + ("" if blocks == default else f", unpack <= {blocks} blocks" if blocks else ", unpack unbounded")
             times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined {label}")]
             case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n) | variant
+            case |= {"lookahead": lookahead} if lookahead is not None else {}
             case |= {"unpack_blocks": blocks} if blocks != default else {}
             ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
             ctx.rec.add("unit_gather", "hybridengine", model, case, "busbw_GB_per_s",
                         [unit_bytes / t / 1e9 * (ctx.world - 1) / ctx.world for t in times])
-            ctx.log(f"  unit gather {model} {label}, {n} layers pipelined: {quantiles(times)[1] * 1e3:.3f} ms per layer")
+            ahead = "all prefetched" if lookahead is None else f"{lookahead} ahead"
+            ctx.log(f"  unit gather {model} {label}, {n} layers pipelined ({ahead}): "
+                    f"{quantiles(times)[1] * 1e3:.3f} ms per layer")
         buf.prefetch_unpack_blocks = default
         buf.close()
     layers = n

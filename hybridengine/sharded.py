@@ -213,6 +213,30 @@ class _DirectPlan:
 
 
 @dataclass(slots=True)
+class _P2PPlan:
+    """How `p2p_gather` gathers one unit: `own` unpacks this rank's shard (read in G) into the natural
+    buffer; the other ranks' shards arrive in `chunks` pieces into a receive buffer (peer j at
+    j * shard_numel), and `tables[k]` unpacks every peer's piece k. `bounds[k]` = (start, end) of piece
+    k within a shard."""
+
+    own: torch.Tensor | None
+    tables: list[torch.Tensor | None]
+    bounds: list[tuple[int, int]]
+    peers: list[int]
+
+
+def clip_table(table: torch.Tensor, lo: int, hi: int, shift: int) -> torch.Tensor:
+    """The rows of a segment table restricted to sources in [lo, hi), sources moved by `shift`."""
+    if table.numel() == 0:
+        return table.reshape(0, 3)
+    s, d, n = table.unbind(1)
+    start, end = torch.clamp(s, min=lo), torch.clamp(s + n, max=hi)
+    keep = end > start
+    rows = torch.stack([start + shift, d + (start - s), end - start], 1)[keep]
+    return rows.contiguous()
+
+
+@dataclass(slots=True)
 class _Prefetch:
     natural: torch.Tensor
     event: torch.cuda.Event | None
@@ -225,7 +249,8 @@ class ShardedBuffer:
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
                  timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None,
                  batch_page_calls: bool = False, direct_gather: bool = False,
-                 prefetch_unpack_blocks: int | None = None, reshard_copy: str = "kernel"):
+                 prefetch_unpack_blocks: int | None = None, reshard_copy: str = "kernel",
+                 p2p_gather: bool = False, p2p_chunks: int = 4):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
         `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
         (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES).
@@ -247,9 +272,20 @@ class ShardedBuffer:
         gradient reduce-scatter. "kernel": the fused segment-copy kernel (SMs). "copy_engine": one
         `cudaMemcpy2DAsync` per 2-D run of the unit's table, ~15 per decoder layer (`ops.copy_2d`):
         the DMA copy engines do the copy, so a prefetched unit's unpack leaves every SM to the next
-        unit's all-gather (and a gradient's pack to the backward's GEMMs). Same bytes, same result."""
+        unit's all-gather (and a gradient's pack to the backward's GEMMs). Same bytes, same result.
+        Measured slower (run 20261130T201033Z-1199, 2 x H200, 7B layer at tg = 2: 1.48 ms alone and 1.12 ms
+        per layer pipelined, against 1.28 and 1.08 with the kernel): the copy engines move device memory
+        at about 1.8 TB/s, and the pipelined all-gather loses as much to them as to the kernel.
+        `p2p_gather` (tg > 1): `gather_unit` receives the other ranks' shards with NCCL send/recv (one
+        batch per chunk, `p2p_chunks` chunks) instead of all-gathering the whole unit, and unpacks its own
+        shard straight from G while they arrive, then each received chunk as soon as it lands. Saves the
+        all-gather's copy of the own shard and the unpack's read of it from a staging copy (a third
+        less memory traffic per unit at tg = N = 2), and overlaps all but the last chunk's unpack with
+        the transfer."""
         if reshard_copy not in RESHARD_COPIES:
             raise ValueError(f"reshard_copy must be one of {RESHARD_COPIES}, got {reshard_copy!r}")
+        if not isinstance(p2p_chunks, int) or p2p_chunks < 1:
+            raise ValueError(f"p2p_chunks must be an int >= 1, got {p2p_chunks!r}")
         if switch_batch_bytes is not None and (not isinstance(switch_batch_bytes, int) or switch_batch_bytes < 0):
             raise ValueError(f"switch_batch_bytes must be None or an int >= 0, got {switch_batch_bytes!r}")
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
@@ -298,6 +334,10 @@ class ShardedBuffer:
                              f"{prefetch_unpack_blocks!r}")
         self.prefetch_unpack_blocks = prefetch_unpack_blocks
         self.reshard_copy = reshard_copy
+        self.p2p_gather = bool(p2p_gather) and tp_size > 1 and not self.direct_gather
+        self.p2p_chunks = p2p_chunks
+        self._p2p: list[_P2PPlan | None] = [None] * len(self.layout.units)
+        self._global_ranks = global_ranks
         self._direct: list[_DirectPlan | None] = [None] * len(self.layout.units)
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
         self.state = "training"
@@ -515,6 +555,16 @@ class ShardedBuffer:
         return natural
 
     def _gather(self, u: int) -> torch.Tensor:
+        if self.p2p_gather:
+            if self._side_stream is None:
+                return self._gather_p2p(u, None)[0]
+            current = torch.cuda.current_stream(self.device)
+            self._side_stream.wait_stream(current)
+            with torch.cuda.stream(self._side_stream):
+                natural, event = self._gather_p2p(u, self._side_stream)
+            current.wait_event(event)
+            natural.record_stream(current)
+            return natural
         if self.direct_gather:
             return self._gather_direct(u, None)
         full = self._gather_packed(u)
@@ -588,6 +638,77 @@ class ShardedBuffer:
         torch.cuda.current_stream(self.device).wait_stream(side)
         return natural
 
+    def _p2p_plan(self, u: int) -> _P2PPlan:
+        if self._p2p[u] is None:
+            unit, n, es = self.layout.units[u], self.world_size, self.layout.element_size
+            size = unit.shard_numel
+            table = unit.unpack_table()
+            step = -(-size // self.p2p_chunks)
+            step = -(-step // 64) * 64  # 128-byte aligned pieces (bf16)
+            bounds = [(a, min(a + step, size)) for a in range(0, size, step)] or [(0, 0)]
+            peers = [r for r in range(n) if r != self.rank]
+
+            def prepare(rows: torch.Tensor, src_numel: int) -> torch.Tensor | None:
+                if len(rows) == 0:
+                    return None
+                return prepare_table(rows, es, src_numel=src_numel, dst_numel=unit.natural_numel, device=self.device)
+
+            own = prepare(clip_table(table, self.rank * size, (self.rank + 1) * size, -self.rank * size), size)
+            tables = []
+            for a, b in bounds:
+                rows = [clip_table(table, r * size + a, r * size + b, (j - r) * size) for j, r in enumerate(peers)]
+                tables.append(prepare(torch.cat(rows), len(peers) * size))
+            self._p2p[u] = _P2PPlan(own, tables, bounds, peers)
+        return self._p2p[u]
+
+    def _p2p_batch(self, ops: list) -> None:
+        """One batch of NCCL/gloo point-to-point ops; the current stream waits for it."""
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def _gather_p2p(self, u: int, comm: torch.cuda.Stream | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """`p2p_gather`: unit u in natural layout. CUDA: the transfers on `comm` (which has waited for the
+        current stream), the unpacks on the unpack stream; returns (natural, the unpack stream's event)."""
+        plan, unit = self._p2p_plan(u), self.layout.units[u]
+        shard = self.gen.own_shard(u)
+        natural = torch.empty(unit.natural_numel, dtype=shard.dtype, device=self.device)
+        recv = torch.empty(len(plan.peers) * unit.shard_numel, dtype=shard.dtype, device=self.device)
+        peer_ranks = [self._global_ranks[r] for r in plan.peers]
+
+        def piece_ops(k: int) -> list:
+            a, b = plan.bounds[k]
+            ops = [dist.P2POp(dist.isend, shard[a:b], p, self.group) for p in peer_ranks]
+            size = unit.shard_numel
+            return ops + [dist.P2POp(dist.irecv, recv[j * size + a:j * size + b], p, self.group)
+                          for j, p in enumerate(peer_ranks)]
+
+        if comm is None:  # CPU: in order
+            if plan.own is not None:
+                segment_copy(shard, natural, plan.own)
+            for k, table in enumerate(plan.tables):
+                self._p2p_batch(piece_ops(k))
+                if table is not None:
+                    segment_copy(recv, natural, table)
+            return natural, None
+        unpack = self._unpack_stream
+        unpack.wait_stream(comm)
+        with torch.cuda.stream(unpack):  # the own shard, while the others arrive
+            if plan.own is not None:
+                segment_copy(shard, natural, plan.own, max_blocks=self.prefetch_unpack_blocks)
+        for k, table in enumerate(plan.tables):
+            self._p2p_batch(piece_ops(k))
+            arrived = torch.cuda.Event()
+            arrived.record(comm)
+            unpack.wait_event(arrived)
+            if table is not None:
+                with torch.cuda.stream(unpack):
+                    segment_copy(recv, natural, table, max_blocks=self.prefetch_unpack_blocks)
+        recv.record_stream(unpack)
+        natural.record_stream(unpack)
+        event = torch.cuda.Event()
+        event.record(unpack)
+        return natural, event
+
     def prefetch_unit(self, u: int) -> None:
         """Start gathering unit u (CUDA: on a side stream, so it overlaps the current unit's compute).
 
@@ -599,6 +720,10 @@ class ShardedBuffer:
             self._prefetched[u] = _Prefetch(self._gather(u), None)
             return
         self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.p2p_gather:
+            with torch.cuda.stream(self._side_stream):
+                self._prefetched[u] = _Prefetch(*self._gather_p2p(u, self._side_stream))
+            return
         if self.direct_gather:
             with torch.cuda.stream(self._side_stream):
                 natural, event = self._gather_direct(u, self._unpack_stream)

@@ -198,6 +198,40 @@ def test_copy_engine_reshard(world_size, model):
     spawn(_check_world, world_size, model, torch.float32, {"reshard_copy": "copy_engine"})
 
 
+@pytest.mark.parametrize("world_size,model,chunks", [(2, "tied-no-bias", 3), (3, "odd-hidden", 1),
+                                                     (4, "gqa-untied", 2)])
+def test_p2p_gather(world_size, model, chunks):
+    """p2p_gather: the other ranks' shards by send/recv in chunks, the own shard unpacked from G; the same bits
+    (N = 4 covers tg = 2 with two shards per slice)."""
+    spawn(_check_world, world_size, model, torch.float32, {"p2p_gather": True, "p2p_chunks": chunks})
+
+
+def test_clip_table_and_p2p_plan():
+    """The p2p plan's tables partition the unpack table: every natural element exactly once, from the shard
+    (and piece) that holds it."""
+    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharded import clip_table
+
+    table = torch.tensor([[0, 10, 5], [5, 0, 7], [20, 30, 3]])
+    assert clip_table(table, 3, 9, -3).tolist() == [[0, 13, 2], [2, 0, 4]]
+    assert clip_table(table, 12, 20, 0).tolist() == []
+    specs = model_specs(**MODELS["odd-hidden"])
+    for world, tp in ((2, 2), (4, 2), (3, 3)):
+        layout = ShardedLayout(specs, world_size=world, tp_size=tp, element_size=4)
+        for unit in layout.units:
+            table, size = unit.unpack_table(), unit.shard_numel
+            bounds = [(a, min(a + 7, size)) for a in range(0, size, 7)]
+            pieces = [clip_table(table, r * size + a, r * size + b, 0) for r in range(world) for a, b in bounds]
+            covered = torch.zeros(unit.natural_numel, dtype=torch.int64)
+            for rows in pieces:
+                for s, d, n in rows.tolist():
+                    covered[d:d + n] += 1
+            expected = torch.zeros(unit.natural_numel, dtype=torch.int64)
+            for s, d, n in table.tolist():
+                expected[d:d + n] += 1
+            assert torch.equal(covered, expected), (world, tp, unit.name)
+
+
 def test_direct_gather_plan_and_argument():
     """The plan of direct_gather at N == tg: column-parallel (and undivided-vocab) parameters gather in
     place, the rest is staged; the staging table maps every staged natural element exactly once.
@@ -531,6 +565,9 @@ def test_switch_batch_bytes_argument():
             ShardedBuffer(specs, dtype=torch.float32, prefetch_unpack_blocks=bad)
     with pytest.raises(ValueError, match="reshard_copy must be one of"):
         ShardedBuffer(specs, dtype=torch.float32, reshard_copy="dma")
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match="p2p_chunks must be an int >= 1"):
+            ShardedBuffer(specs, dtype=torch.float32, p2p_chunks=bad)
     for bad in (-1, 1.5, "2GiB"):
         with pytest.raises(ValueError, match="switch_batch_bytes must be None or an int >= 0"):
             ShardedBuffer(specs, dtype=torch.float32, switch_batch_bytes=bad)
