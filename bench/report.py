@@ -1011,14 +1011,17 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          dur(back["value"]), dur(released["value"]), "–", "< 1 ms", _where(g)])
 
     ug = [r for r in latest(rows, "unit_gather") if r["provider"] == "hybridengine" and r["metric"] == "busbw_GB_per_s"
-          and r["case"].get("gather") != "direct" and "unpack_blocks" not in r["case"]]
+          and r["case"].get("gather") in (None, "staged") and "unpack_blocks" not in r["case"]
+          and "reshard_copy" not in r["case"]]  # the default gather; the options are in the report's table
     model = _headline_model(ug)
     for r in sorted((r for r in ug if r["model"] == model), key=lambda r: (r["case"].get("pipelined", 0),
                                                                            r["case"].get("tg", 0))):
         piped = r["case"].get("pipelined", 0)
         nccl = _unit_gather_nccl(rows, r["run_id"], model, piped)
         unpack = _gather_label(r)
-        unpack += f", {piped} layers pipelined vs {piped} all-gathers back to back" if piped else ""
+        ahead = (", one prefetched ahead as in training" if r["case"].get("lookahead") == 1
+                 else ", all prefetched first" if piped else "")
+        unpack += f", {piped} layers pipelined{ahead} vs {piped} all-gathers back to back" if piped else ""
         body.append([f"Unit gather busbw / NCCL all-gather busbw, {model} layer ({sig(r['case'].get('MB'))} MB), "
                      f"tg={r['case'].get('tg')}{unpack}", f"{sig(r['value'])} GB/s",
                      f"{sig(nccl and nccl['value'])} GB/s", ratio(r["value"], nccl and nccl["value"]),

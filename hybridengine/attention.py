@@ -39,16 +39,15 @@ DECODE_REDUCE_BLOCK_D = 32
 """head_dim slice per program of the split-K merge kernel."""
 DECODE_REDUCE_CHUNK = 64
 """Partitions merged per load by the split-K merge kernel ([64, 32] fp32 tile: 16 values a thread at 4 warps)."""
-DECODE_TARGET_WAVES = 2
-"""Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 2 x SMs), each
-over 128-token tiles (`_decode_config(split=True)`). Split sweep on an H200 (run 20261130T201033Z-1199,
-Qwen2-7B heads, cold L2; rows case sweep="splits"): B = 1, 16k: 64 partitions of 256 tokens, 128-token
-tiles 22.0-23.1 us against 23.9 us for the previous plan (128 partitions, 32-token tiles) and 24.6-58 us
-for 16-47 partitions; B = 1, 4k: 32 partitions of 128 tokens, 14.3-15.4 us against 16.4 us; B = 16:
-4-6 partitions 48.2 us at 4k (9 of 32-token tiles: 52.4) and 146-149 us at 16k (158.5). A merge done
-by each head's last partition program in the same launch (instead of the merge kernel) was slower
-in every case of that sweep (B = 1, 16k: 29-42 us): one program's dependent loads of all the
-partials cost more than the second launch."""
+DECODE_TARGET_WAVES = 4
+"""Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 4 x SMs). H200
+sweep (bench/results, 2026-11-30, Qwen2-7B heads): B = 16 at 4k 57 -> 51 us and at 16k 186 -> 156 us
+going from 2 to 4-8 waves; B = 1 at 16k best with 128 partitions of 128 tokens (21.9 us). The split sweep
+(`--suite paged_attention_splits`, run 20261130T201033Z-1199) found B = 1, 16k at 22.0 us with 64
+partitions of 128-token tiles against 23.9 us with this plan, but that plan measured no better in
+the next run (B = 16, 16k: 204 us against 156) and its 128-token split tiles failed the GPU run of
+the decode accuracy tests, so this plan stays. A merge by each head's last partition program in the
+same launch (no merge kernel) was slower in every case of that sweep (B = 1, 16k: 29-42 us)."""
 DECODE_SPLIT_BELOW = 0.5
 """No split while B * num_kv_heads >= this fraction of the SMs: the plan is fixed at CUDA-graph capture
 for the cache's capacity, so at decode batch sizes (B = 64, 2 kv heads: 128 programs) a split would
@@ -295,8 +294,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     One program per (sequence, kv head) is enough when B * num_kv_heads >= DECODE_SPLIT_BELOW x
     num_sms; below that, split each context until about DECODE_TARGET_WAVES programs per SM run,
     keeping partitions >= DECODE_MIN_PARTITION tokens. Qwen2-7B per GPU (4 kv heads) on an H200
-    (132 SMs): B >= 17 does not split; B = 16 splits in 5 (contexts >= 640); B = 1, 16k splits in
-    64 partitions of 256 (66 asked, rounded to 128-token tiles), 4k in 32 of 128.
+    (132 SMs): B >= 17 does not split; B = 16 splits in 9 (contexts >= 1152); B = 1, 16k splits in
+    128 partitions of 128.
     Depends on host integers only, so a CUDA graph captured at a given (B, max_context_len) stays valid.
     """
     programs = batch * num_kv_heads
@@ -306,7 +305,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     return max(1, min(want, math.ceil(max_context_len / DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
-def _decode_config(device: torch.device, head_dim: int, split: bool = False) -> dict:
+def _decode_config(device: torch.device, head_dim: int) -> dict:
     # Chosen on the real decode step (`python -m bench.profile_decode --kernel-configs`, H200, B = 128,
     # prompts 128 + 256 new tokens, async scheduling; bench/results/profiles/decode_kernel_configs_*):
     # 32-token tiles, 4 warps, 4 stages, 16-bit dots: 7B 5.78 ms/step (best of six; the previous
@@ -314,11 +313,8 @@ def _decode_config(device: torch.device, head_dim: int, split: bool = False) -> 
     # dots 2.55, TF32 2.63, 128 x 3 stages 2.68). The cold-L2 kernel sweep agrees at B = 1 / 16k (22.0 us,
     # best), B = 128 at 256 / 512 / 1k tokens (best) and B = 128 / 4k (within 0.2%). Under the
     # interpreter, 32-token tiles and one stage keep the tests fast.
-    # Split-K (few sequences, long contexts; DECODE_TARGET_WAVES) takes 128-token tiles, 3 stages.
     if device.type != "cuda":
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
-    if head_dim <= 128 and split:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
     if head_dim <= 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=4)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
@@ -335,7 +331,7 @@ def decode_partition_plan(batch: int, num_kv_heads: int, head_dim: int, max_cont
     """(num_partitions, partition_size) of the Triton decode launch; one partition runs the one-pass kernel."""
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(device))
-    return decode_partitions(max_context_len, num_splits, _decode_config(device, head_dim, num_splits > 1)["BLOCK_N"])
+    return decode_partitions(max_context_len, num_splits, _decode_config(device, head_dim)["BLOCK_N"])
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -347,8 +343,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages) and
     DOT_16BIT (default True for bf16/fp16: `tl.dot` on the 16-bit tiles; False: the previous fp32
-    upcast with TF32 dots; fp32 inputs: False only): the tuning sweeps of bench/paged_attention.py
-    use it."""
+    upcast with TF32 dots; fp32 inputs: False only): the tuning sweep of bench/paged_attention.py
+    uses it."""
     import triton
 
     from hybridengine.kernels.paged_attention import paged_decode_kernel, paged_decode_reduce_kernel
@@ -368,9 +364,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if batch == 0:
         return out
 
-    if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
-    cfg = {"DOT_16BIT": q.dtype != torch.float32} | _decode_config(q.device, head_dim, num_splits > 1)
+    cfg = {"DOT_16BIT": q.dtype != torch.float32} | _decode_config(q.device, head_dim)
     unknown = set(config or {}) - set(cfg)
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")
@@ -379,6 +373,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         raise ValueError(f"config DOT_16BIT must be a bool, and False for float32 inputs, got "
                          f"{cfg['DOT_16BIT']!r} with {q.dtype} inputs")
     block_n = cfg.pop("BLOCK_N")
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
     num_partitions, partition_size = decode_partitions(max_context_len, num_splits, block_n)
     split = num_partitions > 1
     block_d = triton.next_power_of_2(head_dim)

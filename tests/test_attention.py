@@ -353,13 +353,11 @@ def test_decode_num_splits_rule():
     assert A.decode_num_splits(128, 4, 1024, sms) == 1         # 512 programs fill the GPU
     assert A.decode_num_splits(17, 4, 1024, sms) == 1          # 68 programs: at least half the SMs
     assert A.decode_num_splits(64, 2, 1024, sms) == 1          # 1.5B decode batch: 128 programs
-    assert A.decode_num_splits(16, 4, 4096, sms) == 5          # 64 programs -> ceil(264 / 64)
-    assert A.decode_num_splits(16, 4, 512, sms) == 4           # partitions >= 128 tokens
-    assert A.decode_num_splits(1, 4, 16384, sms) == 66         # 2 waves of 132 SMs
-    assert A.decode_num_splits(1, 4, 4096, sms) == 32          # 66 wanted, 128 tokens at least
-    assert A.decode_partitions(16384, 66, 128) == (64, 256)    # 249 rounded up to whole 128-token tiles
-    assert A.decode_num_splits(1, 1, 10**6, sms) == 264        # 2 waves of single-sequence programs
-    assert A.decode_num_splits(1, 1, 10**6, 1024) == 512       # capped at DECODE_MAX_SPLITS
+    assert A.decode_num_splits(16, 4, 4096, sms) == 9          # 64 programs -> ceil(528 / 64)
+    assert A.decode_num_splits(16, 4, 1024, sms) == 8          # partitions >= 128 tokens
+    assert A.decode_num_splits(1, 4, 16384, sms) == 128        # 132 wanted, 128 tokens at least
+    assert A.decode_partitions(16384, 128, 64) == (128, 128)
+    assert A.decode_num_splits(1, 1, 10**6, sms) == 512        # capped at DECODE_MAX_SPLITS
     assert A.decode_num_splits(1, 4, 100, sms) == 1
     assert A.decode_partitions(100, 3, 32) == (2, 64)         # 34 rounded up to whole 32-token tiles
     assert A.decode_partitions(65, 1, 32) == (1, 96)
