@@ -26,7 +26,7 @@ python3 -m hybridengine info | tee -a "$out/setup.log"
 pytest_mark=${PYTEST_MARK-gpu}  # PYTEST_MARK="": every test of PYTEST_FILES (device-fixture tests run on CUDA)
 timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q ${pytest_mark:+-m "$pytest_mark"} ${PYTEST_FILES:-tests} -p no:cacheprovider 2>&1 | tail -40 > /tmp/pytest_gpu.log
 tee -a "$out/setup.log" < /tmp/pytest_gpu.log | tail -3
-timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_sharded.py 2>&1 | tail -8 | tee -a "$out/setup.log"
+timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_sharded.py 2>&1 | tail -12 | tee -a "$out/setup.log"
 if [ -n "${PROFILE_SWITCH:-}" ]; then  # PROFILE_SWITCH=qwen2-7b: one profiled switch (traces stay on the device)
   timeout 240 torchrun --standalone --nproc-per-node 2 -m bench.profile_switch --model "$PROFILE_SWITCH" \
     --out /tmp/profile_switch 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*" | tail -8 | tee -a "$out/setup.log"
