@@ -44,9 +44,11 @@ DECODE_TARGET_WAVES = 4
 sweep (bench/results, 2026-11-30, Qwen2-7B heads): B = 16 at 4k 57 -> 51 us and at 16k 186 -> 156 us
 going from 2 to 4-8 waves; B = 1 at 16k best with 128 partitions of 128 tokens (21.9 us). The split sweep
 (`--suite paged_attention_splits`, run 20261130T201033Z-1199) found B = 1, 16k at 22.0 us with 64
-partitions of 128-token tiles against 23.9 us with this plan, but that plan measured no better in
-the next run (B = 16, 16k: 204 us against 156) and its 128-token split tiles failed the GPU run of
-the decode accuracy tests, so this plan stays. A merge by each head's last partition program in the
+partitions of 128-token tiles against 23.9 us with this plan, but such a plan (2 waves, 128-token
+tiles when splitting) lost at B = 16, 16k in the next run (5 partitions: 204 us against 156): with
+3 stages of 128-token K/V tiles one program fills an SM's shared memory, so a grid just over a
+multiple of the SMs pays a whole extra wave. This plan stays until one sizes the grid by waves.
+(128-token tiles are as accurate: the GPU decode tests pass with them, 1 x H200, 2026-11-30.) A merge by each head's last partition program in the
 same launch (no merge kernel) was slower in every case of that sweep (B = 1, 16k: 29-42 us)."""
 DECODE_SPLIT_BELOW = 0.5
 """No split while B * num_kv_heads >= this fraction of the SMs: the plan is fixed at CUDA-graph capture
