@@ -39,17 +39,18 @@ DECODE_REDUCE_BLOCK_D = 32
 """head_dim slice per program of the split-K merge kernel."""
 DECODE_REDUCE_CHUNK = 64
 """Partitions merged per load by the split-K merge kernel ([64, 32] fp32 tile: 16 values a thread at 4 warps)."""
-DECODE_TARGET_WAVES = 4
-"""Split until about this many programs per SM run (B * num_kv_heads * num_splits >= 4 x SMs). H200
-sweep (bench/results, 2026-11-30, Qwen2-7B heads): B = 16 at 4k 57 -> 51 us and at 16k 186 -> 156 us
-going from 2 to 4-8 waves; B = 1 at 16k best with 128 partitions of 128 tokens (21.9 us). The split sweep
-(`--suite paged_attention_splits`, run 20261130T201033Z-1199) found B = 1, 16k at 22.0 us with 64
-partitions of 128-token tiles against 23.9 us with this plan, but such a plan (2 waves, 128-token
-tiles when splitting) lost at B = 16, 16k in the next run (5 partitions: 204 us against 156): with
-3 stages of 128-token K/V tiles one program fills an SM's shared memory, so a grid just over a
-multiple of the SMs pays a whole extra wave. This plan stays until one sizes the grid by waves.
-(128-token tiles are as accurate: the GPU decode tests pass with them, 1 x H200, 2026-11-30.) A merge by each head's last partition program in the
-same launch (no merge kernel) was slower in every case of that sweep (B = 1, 16k: 29-42 us)."""
+DECODE_TARGET_WAVES = 2
+"""Split into as many partitions as fit in this many full waves of one program per SM: programs =
+B * num_kv_heads * splits <= 2 x SMs. A split launch takes 128-token K/V tiles in 3 stages
+(`_decode_config(split=True)`), whose shared memory holds one program per SM, so a grid just over a
+multiple of the SMs would pay a whole extra wave. Split sweep on an H200 (run 20261130T201033Z-1199,
+Qwen2-7B heads, cold L2; rows case sweep="splits"), 128-token tiles: B = 1, 16k: 64 partitions (256
+programs) 22.0-23.1 us, 43 (172) 24.9, 128 (512) 25.5, against 23.9 us for the previous plan (128
+partitions of 32-token tiles); B = 1, 4k: 32 partitions 14.3-15.4 us against 16.4; B = 16, 4k: 4
+partitions (256 programs) 48.2 us against 52.4 (9 of 32-token tiles), 6 (384) 55.1; B = 16, 16k: 4
+partitions 149 us against 158.5, 5 (320: a third wave) 204 in the next run. A merge by each head's
+last partition program in the same launch (no merge kernel) was slower in every case (B = 1, 16k:
+29-42 us): one program's dependent loads of all the partials cost more than the second launch."""
 DECODE_SPLIT_BELOW = 0.5
 """No split while B * num_kv_heads >= this fraction of the SMs: the plan is fixed at CUDA-graph capture
 for the cache's capacity, so at decode batch sizes (B = 64, 2 kv heads: 128 programs) a split would
@@ -296,27 +297,30 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     One program per (sequence, kv head) is enough when B * num_kv_heads >= DECODE_SPLIT_BELOW x
     num_sms; below that, split each context until about DECODE_TARGET_WAVES programs per SM run,
     keeping partitions >= DECODE_MIN_PARTITION tokens. Qwen2-7B per GPU (4 kv heads) on an H200
-    (132 SMs): B >= 17 does not split; B = 16 splits in 9 (contexts >= 1152); B = 1, 16k splits in
-    128 partitions of 128.
+    (132 SMs): B >= 17 does not split; B = 16 splits in 4 (contexts >= 512); B = 1 in 66 (16k: 64
+    partitions of 256 once rounded to 128-token tiles; 4k: 32 of 128).
     Depends on host integers only, so a CUDA graph captured at a given (B, max_context_len) stays valid.
     """
     programs = batch * num_kv_heads
     if programs == 0 or programs >= DECODE_SPLIT_BELOW * num_sms:
         return 1
-    want = math.ceil(DECODE_TARGET_WAVES * num_sms / programs)
+    want = DECODE_TARGET_WAVES * num_sms // programs
     return max(1, min(want, math.ceil(max_context_len / DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
-def _decode_config(device: torch.device, head_dim: int) -> dict:
+def _decode_config(device: torch.device, head_dim: int, split: bool = False) -> dict:
     # Chosen on the real decode step (`python -m bench.profile_decode --kernel-configs`, H200, B = 128,
     # prompts 128 + 256 new tokens, async scheduling; bench/results/profiles/decode_kernel_configs_*):
     # 32-token tiles, 4 warps, 4 stages, 16-bit dots: 7B 5.78 ms/step (best of six; the previous
     # 64 x 2-stage TF32 default 5.84, 128 x 3 stages 6.03), 1.5B 2.60 ms (64 x 2 stages with 16-bit
     # dots 2.55, TF32 2.63, 128 x 3 stages 2.68). The cold-L2 kernel sweep agrees at B = 1 / 16k (22.0 us,
     # best), B = 128 at 256 / 512 / 1k tokens (best) and B = 128 / 4k (within 0.2%). Under the
-    # interpreter, 32-token tiles and one stage keep the tests fast.
+    # interpreter, 32-token tiles and one stage keep the tests fast. A split launch (few sequences,
+    # long contexts) takes 128-token tiles in 3 stages: see DECODE_TARGET_WAVES.
     if device.type != "cuda":
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    if head_dim <= 128 and split:
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
     if head_dim <= 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=4)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
@@ -333,7 +337,7 @@ def decode_partition_plan(batch: int, num_kv_heads: int, head_dim: int, max_cont
     """(num_partitions, partition_size) of the Triton decode launch; one partition runs the one-pass kernel."""
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(device))
-    return decode_partitions(max_context_len, num_splits, _decode_config(device, head_dim)["BLOCK_N"])
+    return decode_partitions(max_context_len, num_splits, _decode_config(device, head_dim, num_splits > 1)["BLOCK_N"])
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -366,7 +370,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if batch == 0:
         return out
 
-    cfg = {"DOT_16BIT": q.dtype != torch.float32} | _decode_config(q.device, head_dim)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
+    cfg = {"DOT_16BIT": q.dtype != torch.float32} | _decode_config(q.device, head_dim, num_splits > 1)
     unknown = set(config or {}) - set(cfg)
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")
@@ -375,8 +381,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         raise ValueError(f"config DOT_16BIT must be a bool, and False for float32 inputs, got "
                          f"{cfg['DOT_16BIT']!r} with {q.dtype} inputs")
     block_n = cfg.pop("BLOCK_N")
-    if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
     num_partitions, partition_size = decode_partitions(max_context_len, num_splits, block_n)
     split = num_partitions > 1
     block_d = triton.next_power_of_2(head_dim)

@@ -247,11 +247,12 @@ DECODE_CASES = [
 def test_paged_decode_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens, kw, num_splits,
                                         dot_16bit):
     inputs = decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, lens, torch.bfloat16, device, **kw)
+    # 32-token tiles: small contexts split on the GPU too (a split launch takes 128-token tiles there).
+    config = dict(DOT_16BIT=dot_16bit, BLOCK_N=32)
     if num_splits > 1:  # the split path must really run with more than one partition
-        plan = A.decode_partition_plan(len(lens), num_kv_heads, head_dim, inputs[3].shape[1] * block_size, device,
-                                       num_splits)
+        plan = A.decode_partitions(inputs[3].shape[1] * block_size, num_splits, config["BLOCK_N"])
         assert plan[0] > 1, plan
-    check_decode(*inputs, num_splits=num_splits, config=dict(DOT_16BIT=dot_16bit))
+    check_decode(*inputs, num_splits=num_splits, config=config)
 
 
 @pytest.mark.parametrize("dot_16bit", DOT_PATHS)
@@ -372,11 +373,12 @@ def test_decode_num_splits_rule():
     assert A.decode_num_splits(128, 4, 1024, sms) == 1         # 512 programs fill the GPU
     assert A.decode_num_splits(17, 4, 1024, sms) == 1          # 68 programs: at least half the SMs
     assert A.decode_num_splits(64, 2, 1024, sms) == 1          # 1.5B decode batch: 128 programs
-    assert A.decode_num_splits(16, 4, 4096, sms) == 9          # 64 programs -> ceil(528 / 64)
-    assert A.decode_num_splits(16, 4, 1024, sms) == 8          # partitions >= 128 tokens
-    assert A.decode_num_splits(1, 4, 16384, sms) == 128        # 132 wanted, 128 tokens at least
-    assert A.decode_partitions(16384, 128, 64) == (128, 128)
-    assert A.decode_num_splits(1, 1, 10**6, sms) == 512        # capped at DECODE_MAX_SPLITS
+    assert A.decode_num_splits(16, 4, 4096, sms) == 4          # 64 programs -> 264 // 64: two full waves
+    assert A.decode_num_splits(16, 4, 300, sms) == 3           # partitions >= 128 tokens
+    assert A.decode_num_splits(1, 4, 16384, sms) == 66         # 264 // 4
+    assert A.decode_partitions(16384, 66, 128) == (64, 256)    # 249 rounded up to whole 128-token tiles
+    assert A.decode_num_splits(1, 4, 4096, sms) == 32          # 66 wanted, 128 tokens at least
+    assert A.decode_num_splits(1, 1, 10**6, 1024) == 512       # capped at DECODE_MAX_SPLITS
     assert A.decode_num_splits(1, 4, 100, sms) == 1
     assert A.decode_partitions(100, 3, 32) == (2, 64)         # 34 rounded up to whole 32-token tiles
     assert A.decode_partitions(65, 1, 32) == (1, 96)
