@@ -284,7 +284,8 @@ class ShardedBuffer:
         the transfer. Off by default: on 2 x H200 (run 20261130T202019Z-aff3) a 7B layer took 1.22 ms alone
         (all-gather + unpack 1.28) and the same 1.00 ms per layer one prefetched ahead, but a 1.5B layer
         took 0.94 ms against 0.33: each send/recv batch costs the host ~0.2 ms, more than a small
-        layer's transfer."""
+        layer's transfer. Its unpacks always use the segment-copy kernel (`reshard_copy` then applies
+        to the gradient pack only)."""
         if reshard_copy not in RESHARD_COPIES:
             raise ValueError(f"reshard_copy must be one of {RESHARD_COPIES}, got {reshard_copy!r}")
         if not isinstance(p2p_chunks, int) or p2p_chunks < 1:
