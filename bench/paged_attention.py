@@ -99,6 +99,20 @@ def flex_paged(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, *,
     return eager
 
 
+def decode_inputs(ctx: Ctx, batch: int, context: int, g: torch.Generator) -> tuple:
+    """q, dense K/V and the same K/V in a shuffled paged cache: (q, dense_k, dense_v, k_cache, v_cache,
+    block_tables, context_lens), one Qwen2-7B layer's heads in bf16."""
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
+    dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
+                                    device=ctx.device, generator=g) for _ in range(2))
+    return (q, dense_k, dense_v, *paged_cache(batch, context, ctx.device, dense_k, dense_v))
+
+
+def dense_sdpa(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor) -> torch.Tensor:
+    """The peer: torch's scaled_dot_product_attention decode over contiguous K/V, [B, q_heads, D]."""
+    return F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=HEAD_DIM**-0.5, enable_gqa=True)[:, :, 0]
+
+
 def _flush_buffer(ctx: Ctx) -> torch.Tensor:
     """FLUSH_BYTES of int32 zeros, read (summed) before every timed call."""
     return torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device=ctx.device)
@@ -142,13 +156,10 @@ def paged_attention(ctx: Ctx) -> None:
         nbytes = kv_bytes(batch, context)
         base = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
                     dtype="bf16", kv_bytes=nbytes, flush="read")
-        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
-        dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
-                                        device=ctx.device, generator=g) for _ in range(2))
-        k_cache, v_cache, tables, lens = paged_cache(batch, context, ctx.device, dense_k, dense_v)
+        q, dense_k, dense_v, k_cache, v_cache, tables, lens = decode_inputs(ctx, batch, context, g)
 
         def sdpa():
-            return F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0]
+            return dense_sdpa(q, dense_k, dense_v)
 
         expected = sdpa()
         runs = {("sdpa_dense", "-"): (sdpa, BLOCK_SIZE)}
@@ -215,17 +226,12 @@ def paged_attention_sweep(ctx: Ctx) -> None:
     g = torch.Generator(device=ctx.device).manual_seed(0)
     for batch, context in SWEEP_CASES:
         nbytes = kv_bytes(batch, context)
-        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
-        dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
-                                        device=ctx.device, generator=g) for _ in range(2))
-        k_cache, v_cache, tables, lens = paged_cache(batch, context, ctx.device, dense_k, dense_v)
-        expected = F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale,
-                                                  enable_gqa=True)[:, :, 0]
+        q, dense_k, dense_v, k_cache, v_cache, tables, lens = decode_inputs(ctx, batch, context, g)
+        expected = dense_sdpa(q, dense_k, dense_v)
         auto = attention.decode_num_splits(batch, NUM_KV_HEADS, context, attention.num_sms(ctx.device))
         base = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
                     dtype="bf16", kv_bytes=nbytes, block_size=BLOCK_SIZE, sweep=True)
-        flush_runs = {"sdpa_dense": lambda: F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale,
-                                                                           enable_gqa=True),
+        flush_runs = {"sdpa_dense": lambda: dense_sdpa(q, dense_k, dense_v),
                       "hybridengine": lambda: attention.paged_decode_attention(q, k_cache, v_cache, tables, lens,
                                                                                scale=scale, max_context_len=context)}
         for provider, fn in flush_runs.items():  # what the flush's write-back adds to a call
@@ -287,13 +293,10 @@ def paged_attention_splits(ctx: Ctx) -> None:
     g = torch.Generator(device=ctx.device).manual_seed(0)
     for (batch, context), split_counts in SPLIT_CASES.items():
         nbytes = kv_bytes(batch, context)
-        q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
-        dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
-                                        device=ctx.device, generator=g) for _ in range(2))
-        k_cache, v_cache, tables, lens = paged_cache(batch, context, ctx.device, dense_k, dense_v)
+        q, dense_k, dense_v, k_cache, v_cache, tables, lens = decode_inputs(ctx, batch, context, g)
 
         def sdpa():
-            return F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0]
+            return dense_sdpa(q, dense_k, dense_v)
 
         expected = sdpa()
         base = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._ext import extension_has, warn_once
-from .segment_copy import validate_table
+from .segment_copy import check_src_dst, validate_table
 
 RUN_FIELDS = ("src", "dst", "width", "height", "src_pitch", "dst_pitch")
 
@@ -53,12 +53,7 @@ def table_from_runs(runs: torch.Tensor) -> torch.Tensor:
 
 
 def _check_args(src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor) -> None:
-    if src.dim() != 1 or not src.is_contiguous():
-        raise ValueError(f"copy_2d: src must be a contiguous 1-D tensor, got shape {tuple(src.shape)}")
-    if dst.dim() != 1 or not dst.is_contiguous():
-        raise ValueError(f"copy_2d: dst must be a contiguous 1-D tensor, got shape {tuple(dst.shape)}")
-    if src.dtype != dst.dtype:
-        raise ValueError(f"copy_2d: dtype mismatch, src is {src.dtype} and dst is {dst.dtype}")
+    check_src_dst("copy_2d", src, dst)
     if src.device != dst.device:
         raise ValueError(f"copy_2d: device mismatch, src is on {src.device} and dst on {dst.device}")
     if runs.device.type != "cpu" or runs.dtype != torch.int64 or runs.dim() != 2 or runs.shape[1] != len(RUN_FIELDS):

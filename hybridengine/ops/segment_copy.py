@@ -18,13 +18,17 @@ MAX_SEGMENT_BYTES = 32 * 1024
 """Rows longer than this are split: one CUDA warp per row, so a 4 GiB copy runs as 128k warps."""
 
 
-def _check_args(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) -> None:
-    if src.dim() != 1 or not src.is_contiguous():
-        raise ValueError(f"segment_copy: src must be a contiguous 1-D tensor, got shape {tuple(src.shape)}")
-    if dst.dim() != 1 or not dst.is_contiguous():
-        raise ValueError(f"segment_copy: dst must be a contiguous 1-D tensor, got shape {tuple(dst.shape)}")
+def check_src_dst(op: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """The copy ops' shared checks: contiguous 1-D src and dst of one dtype."""
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
     if src.dtype != dst.dtype:
-        raise ValueError(f"segment_copy: dtype mismatch, src is {src.dtype} and dst is {dst.dtype}")
+        raise ValueError(f"{op}: dtype mismatch, src is {src.dtype} and dst is {dst.dtype}")
+
+
+def _check_args(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) -> None:
+    check_src_dst("segment_copy", src, dst)
     if src.device != dst.device or table.device != src.device:
         raise ValueError(f"segment_copy: src ({src.device}), dst ({dst.device}) and table ({table.device}) "
                          "must be on one device")
