@@ -9,13 +9,15 @@ library carries no profiling code). A step runs from one `schedule` call to the 
 host time of each range, GPU kernel time by category, GPU busy time (union of kernels and copies) and
 the rest of the wall time, which is GPU idle: host work the GPU waits for. Writes DIR/profile_decode.json
 and DIR/trace.json.gz (chrome://tracing or ui.perfetto.dev). On CPU (`--device cpu`, e.g. with
-`--model tiny-qwen2`) it tests itself: host ranges only.
+`--model tiny-qwen2`) it tests itself: host ranges only. Under torchrun with `--tg 2`, TP generation
+(every rank runs the same batch; rank 0 writes).
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import os
 import contextlib
 import functools
 import gzip
@@ -28,6 +30,7 @@ import torch
 
 RANGES = ("schedule", "prepare_inputs", "forward", "prefill", "sample", "d2h", "bookkeeping")
 CATEGORIES = {  # first match wins; names lower-cased
+    "communication": ("nccl", "allreduce", "all_reduce", "allgather", "one_shot", "two_shot", "symm_mem"),
     "attention": ("paged_decode", "prefill", "flash", "attn", "store_kv"),
     "gemm": ("gemm", "nvjet", "cutlass", "sm90", "cublas", "matmul"),
     "sampling": ("sort", "softmax", "exponential", "argmax", "log_softmax", "logsumexp", "cumsum", "scatter",
@@ -146,12 +149,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernel-configs", default=None,
                     help="instead of profiling, time the decode step with each paged-decode launch config, "
                          "'BLOCK_N:warps:stages:dot16bit,...' (e.g. 128:4:3:1,64:4:2:0), one rollout each")
+    ap.add_argument("--tg", type=int, default=1, help="TP degree of generation (under torchrun)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
+    rank = 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+        rank = torch.distributed.get_rank()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            args.device = f"cuda:{torch.cuda.current_device()}"
     cfg = he.model_config(args.model)
     engine = he.HybridEngine(cfg, he.EngineConfig(
-        dtype=torch.bfloat16 if cuda else torch.float32, device=args.device, max_model_len=1024, max_num_seqs=128,
+        dtype=torch.bfloat16 if cuda else torch.float32, device=args.device, max_model_len=1024,
+        max_num_seqs=max(128, args.batch), tp_generation=args.tg,
         gpu_memory_utilization=0.85, cuda_graphs=not args.no_cuda_graphs, async_scheduling=not args.sync))
     gen = torch.Generator().manual_seed(11 * 1000)  # bench.common.random_ids(seed=11) on rank 0
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=gen).tolist()
@@ -171,6 +183,8 @@ def main(argv=None) -> dict:
             engine.generate(ids, params)
             if cuda:
                 torch.cuda.synchronize()
+    if rank != 0:
+        return {}
     raw = args.out / "trace.json"
     prof.export_chrome_trace(str(raw))
     trace = json.loads(raw.read_text())
@@ -178,10 +192,11 @@ def main(argv=None) -> dict:
         shutil.copyfileobj(src, dst)
     raw.unlink()
     m = engine.model_config
-    kv_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * engine.model.flat_buffer.data.element_size()
+    kv_token = (2 * m.num_hidden_layers * m.num_key_value_heads // args.tg * m.head_dim
+                * engine.model.flat_buffer.data.element_size())
     floor_ms = (engine.model.flat_buffer.nbytes() + args.batch * (args.prompt + args.new_tokens // 2) * kv_token) \
         / (HBM_GBPS * 1e9) * 1e3
-    result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
+    result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, tg=args.tg,
                   device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                   cuda_graphs=cuda and not args.no_cuda_graphs, async_scheduling=not args.sync, unprofiled=plain,
                   floor_ms=floor_ms,

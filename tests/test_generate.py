@@ -394,7 +394,8 @@ def test_profile_decode_runs_on_cpu(tmp_path):
                          "--device", "cpu", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "profile_decode.json").read_text())
     assert result["decode_steps"] == 3 and result["wall_ms_per_step"] > 0
-    assert set(result["gpu_ms_per_step"]) == {"attention", "gemm", "sampling", "elementwise/other", "memcpy/memset"}
+    assert set(result["gpu_ms_per_step"]) == {"communication", "attention", "gemm", "sampling", "elementwise/other",
+                                              "memcpy/memset"}
     for name in ("schedule", "prepare_inputs", "forward", "sample", "d2h", "bookkeeping"):
         assert result["host_ranges"][name]["calls"] >= 3, name
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
