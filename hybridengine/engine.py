@@ -22,7 +22,7 @@ from .loading import load_model
 from .model import CausalLM
 from .runner import KVCache, ModelRunner
 from .sampling import SamplingParams, sample
-from .tp import local_config, parallelize
+from .tp import TP_ALL_REDUCE, local_config, make_all_reduce, parallelize
 from .scheduler import PLACEHOLDER, BlockManager, Scheduler, Sequence, Status
 
 
@@ -51,6 +51,11 @@ class EngineConfig:
     """Under torchrun on GPUs, each rank uses cuda:LOCAL_RANK."""
     tp_generation: int = 1
     """Tensor-parallel degree of generation; divides the world size."""
+    tp_all_reduce: str = "auto"
+    """How TP generation (tp_generation > 1) all-reduces: 'symm_mem' (torch symmetric memory over
+    NVLink, `tp.SymmAllReduce`; messages up to max(max_num_seqs, 512) x hidden, larger ones NCCL),
+    'nccl' (dist.all_reduce), or 'auto' (symm_mem on CUDA when it sets up, with a warning when it does
+    not; the process group's all_reduce elsewhere)."""
     block_size: int = 16
     max_model_len: int = 4096
     """Longest prompt + completion."""
@@ -103,6 +108,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.tp_generation < 1:
             raise ValueError(f"EngineConfig.tp_generation must be >= 1, got {self.tp_generation}")
+        if self.tp_all_reduce not in TP_ALL_REDUCE:
+            raise ValueError(f"EngineConfig.tp_all_reduce must be one of {TP_ALL_REDUCE}, got {self.tp_all_reduce!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineConfig.block_size must be a power of 2, got {self.block_size}")
         if self.max_model_len < 2:
@@ -184,12 +191,16 @@ class HybridEngine:
         buffer = FlatParamBuffer(self.sharded.layout, dtype=cfg.dtype, rank=self.rank, data=self.sharded.gen.data)
         tp = cfg.tp_generation
         self.vocab_size = self.model_config.vocab_size
+        self.tp_all_reduce = None
         del full, params
         if self.role == "critic":
             return CausalLM(self.model_config, buffer=buffer) if tp == 1 else CausalLM(self.model_config, device="meta")
         model = CausalLM(local_config(self.model_config, tp), buffer=buffer)
+        self.tp_all_reduce = None if tp == 1 else make_all_reduce(
+            cfg.tp_all_reduce, self.sharded.tp_group, capacity=max(cfg.max_num_seqs, 512) * self.model_config.hidden_size,
+            dtype=cfg.dtype, device=self.device)
         return parallelize(model, vocab_size=self.vocab_size, tp_rank=self.sharded.tp_rank, tp_size=tp,
-                           group=self.sharded.tp_group)
+                           group=self.sharded.tp_group, all_reduce=self.tp_all_reduce)
 
     def _tp_group(self):
         if self.config.tp_generation == 1:

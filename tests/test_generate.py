@@ -193,6 +193,22 @@ def test_generate_outside_rollout_and_bad_params():
         he.EngineConfig(tp_generation=0)
     with pytest.raises(ValueError, match=r"split_master=True needs dtype=torch.bfloat16"):
         he.EngineConfig(dtype=torch.float32, split_master=True)
+    with pytest.raises(ValueError, match=r"tp_all_reduce must be one of \('auto', 'nccl', 'symm_mem'\), got 'ring'"):
+        he.EngineConfig(tp_all_reduce="ring")
+
+
+def test_tp_all_reduce_modes_on_cpu():
+    """'nccl' and 'auto' off CUDA give no symmetric-memory all-reduce (dist.all_reduce); 'symm_mem' off
+    CUDA is an error that says why. (tests/dist_generate.py checks the CUDA path against NCCL.)"""
+    from hybridengine.tp import make_all_reduce
+
+    kw = dict(capacity=64, dtype=torch.float32, device=torch.device("cpu"))
+    assert make_all_reduce("nccl", None, **kw) is None
+    assert make_all_reduce("auto", None, **kw) is None
+    with pytest.raises(RuntimeError, match=r"tp_all_reduce='symm_mem'.*needs a CUDA device"):
+        make_all_reduce("symm_mem", None, **kw)
+    with pytest.raises(ValueError, match="tp_all_reduce must be one of"):
+        make_all_reduce("ring", None, **kw)
 
 
 def test_prepare_rollout_then_rollout():
