@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200-x2): build the extension with its CUDA ops, run the GPU tests and the
-# NCCL/VMM sharding check, then the given bench suites. Logs and rows go to $OUT.
+# One device call (nvidia-h200-x2): build the extension with its CUDA ops, run the GPU tests, the
+# NCCL/VMM sharding check and the TP-generation all-reduce check, then the given bench suites. Logs and rows go to $OUT.
 # Usage (repo root, wheels carried in .whl/): bash bench/gpu_all.sh "segment_copy --gpus 1" "switch --gpus 2"
 # Each bench suite gets at most $SUITE_TIMEOUT seconds (default 300); the GPU tests $PYTEST_TIMEOUT (240) over
 # $PYTEST_FILES (default: tests).
@@ -27,6 +27,7 @@ pytest_mark=${PYTEST_MARK-gpu}  # PYTEST_MARK="": every test of PYTEST_FILES (de
 timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q ${pytest_mark:+-m "$pytest_mark"} ${PYTEST_FILES:-tests} -p no:cacheprovider 2>&1 | tail -40 > /tmp/pytest_gpu.log
 tee -a "$out/setup.log" < /tmp/pytest_gpu.log | tail -3
 timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_sharded.py 2>&1 | tail -12 | tee -a "$out/setup.log"
+timeout 120 torchrun --standalone --nproc-per-node 2 tests/dist_generate.py 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*" | tail -6 | tee -a "$out/setup.log"
 if [ -n "${PROFILE_SWITCH:-}" ]; then  # PROFILE_SWITCH=qwen2-7b: one profiled switch (traces stay on the device)
   timeout 240 torchrun --standalone --nproc-per-node 2 -m bench.profile_switch --model "$PROFILE_SWITCH" \
     --out /tmp/profile_switch 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*" | tail -8 | tee -a "$out/setup.log"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +23,7 @@ from .buffer import FlatParamBuffer
 from .loading import load_model
 from .model import CausalLM
 from .runner import KVCache, ModelRunner
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, _to_device, sample, sample_fused
 from .tp import TP_ALL_REDUCE, local_config, make_all_reduce, parallelize
 from .scheduler import PLACEHOLDER, BlockManager, Scheduler, Sequence, Status
 
@@ -104,10 +106,22 @@ class EngineConfig:
     activations (checkpointing off) never stack on them."""
     seed: int = 0
     """Seed of random initialisation (when the source is a config) and of unseeded sampling."""
+    sampler: str = "auto"
+    """'fused': a step whose requests all sample without top-k/top-p draws its tokens and log-probs in
+    one Triton pass over the logits (`sampling.sample_fused`, Philox noise in the kernel); 'torch':
+    always `sampling.sample` (torch's generators); 'auto': fused on CUDA, torch elsewhere. A step with
+    any truncating request takes `sample`. The samplers draw different random streams: a seeded
+    request is reproducible within one sampler (independent of batch composition and preemption in
+    both), not across them. Greedy rows give the same tokens in both."""
 
     def __post_init__(self):
         if self.tp_generation < 1:
             raise ValueError(f"EngineConfig.tp_generation must be >= 1, got {self.tp_generation}")
+        if self.sampler not in ("auto", "fused", "torch"):
+            raise ValueError(f"EngineConfig.sampler must be 'auto', 'fused' or 'torch', got {self.sampler!r}")
+        if self.sampler == "fused" and not self.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"EngineConfig.sampler='fused' on device {self.device!r} needs CUDA or TRITON_INTERPRET=1 "
+                             "(the fused sampler is a Triton kernel)")
         if self.tp_all_reduce not in TP_ALL_REDUCE:
             raise ValueError(f"EngineConfig.tp_all_reduce must be one of {TP_ALL_REDUCE}, got {self.tp_all_reduce!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -166,6 +180,7 @@ class HybridEngine:
         self.device = device
         self.model = self._build_sharded(source)
         self.model.eval()
+        self._sample_rng = random.Random(config.seed)  # keys of the fused sampler's unseeded rows
         self._runner: ModelRunner | None = None
         self._training = None
         self._scheduler: Scheduler | None = None
@@ -366,6 +381,51 @@ class HybridEngine:
             num_blocks = most
         return KVCache(num_blocks=num_blocks, dtype=c.dtype, device=self.device, **shape)
 
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step's tokens and log-probs. Each row's sampler follows from its own request: with the
+        fused sampler on (EngineConfig.sampler), rows without top-k/top-p take `sample_fused` and the
+        others `sample` (a mixed step runs both on their rows), so a seeded sample's tokens do not
+        depend on what else is in the batch. Fused keys: a greedy row -1; a seeded sample its own key
+        and its draw count (independent of the batch and of preemption); an unseeded row a key drawn
+        for this step from the engine's RNG (EngineConfig.seed)."""
+        params = [s.params for s in seqs]
+        mode = self.config.sampler
+        truncates = [p.top_k > 0 or p.top_p < 1 for p in params]
+        if mode == "torch" or (mode == "auto" and not logits.is_cuda) or all(truncates):
+            return sample(logits, params, [s.generator for s in seqs])
+        if not any(truncates):
+            return self._sample_fused(logits, seqs)
+        fused = [i for i, t in enumerate(truncates) if not t]
+        other = [i for i, t in enumerate(truncates) if t]
+        tokens = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        logprobs = torch.empty(len(seqs), dtype=torch.float32, device=logits.device)
+        for rows in (fused, other):
+            index = _to_device(rows, torch.int64, logits.device)  # pinned, non-blocking: no wait for the GPU
+            part = logits.index_select(0, index)
+            tok, lp = (self._sample_fused(part, [seqs[i] for i in rows]) if rows is fused else
+                       sample(part, [params[i] for i in rows], [seqs[i].generator for i in rows]))
+            tokens.index_copy_(0, index, tok)
+            logprobs.index_copy_(0, index, lp.float())
+        return tokens, logprobs
+
+    def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        step_key = self._sample_rng.getrandbits(62)
+        keys, draws, inv_temp = [], [], []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.temperature == 0:
+                keys.append(-1)
+                draws.append(0)
+                inv_temp.append(1.0)
+                continue
+            keys.append(_race_key(p.seed, seq.sample) if p.seed is not None
+                        else (step_key + i * 0x9E3779B97F4A7C15) & (2**62 - 1))
+            draws.append(seq.draws)
+            inv_temp.append(1.0 / p.temperature)
+            seq.draws += 1
+        ints = _to_device([keys, draws], torch.int64, logits.device)
+        return sample_fused(logits, _to_device(inv_temp, torch.float32, logits.device), ints[0], ints[1])
+
     def _validate(self, prompts, params: list[SamplingParams]) -> None:
         if self._runner is None:
             raise ValueError("generate() must be called inside `with engine.rollout():`")
@@ -435,7 +495,7 @@ class HybridEngine:
             seqs = batch.seqs
             if batch.is_prefill:
                 logits, seqs = _fork_prefilled(sched, batch, logits, self.device)
-            tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            tokens, logprobs = self._sample(logits, seqs)
             step = _launch(seqs, tokens, logprobs, tp_group, tp_src)
             if inflight is not None:
                 _resolve(sched, inflight, finished)
@@ -462,6 +522,14 @@ class HybridEngine:
                           preemptions=sched.num_preemptions, cuda_graph_capture_s=self._runner.graph_capture_s,
                           async_steps=ahead)
         return outputs
+
+
+def _race_key(seed: int, sample: int) -> int:
+    """A seeded sample's 62-bit Philox key (a splitmix64 finaliser of (seed, sample index))."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) >> 2
 
 
 def _fork_prefilled(sched: Scheduler, batch, logits: torch.Tensor, device: torch.device):

@@ -47,6 +47,8 @@ class Sequence:
     fork: int = 1
     """> 1 for a request's prompt sequence until its prefill: then it becomes `fork` samples."""
     generator: torch.Generator | None = None
+    draws: int = 0
+    """Tokens drawn for this sequence by the fused sampler (the Philox counter of a seeded sample)."""
     seq_id: int = field(default_factory=lambda: next(_ids))
     block_table: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

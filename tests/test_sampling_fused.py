@@ -1,0 +1,162 @@
+"""The fused sampler (hybridengine.sampling.sample_fused, kernels/sampling.py) against its plain-torch
+reference under the Triton interpreter (on CUDA: the kernel on the GPU), and the engine's use of it."""
+
+import math
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import hybridengine as he
+from hybridengine.sampling import (SamplingParams, philox_ref, race_noise_ref, sample_fused, sample_fused_ref)
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _randint_kernel(Keys, Offsets, Out, N: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, N)
+    off = tl.load(Offsets + row * N + i)
+    tl.store(Out + row * N + i, tl.randint(tl.load(Keys + row), off).to(tl.int64) & 0xFFFFFFFF)
+
+
+def test_philox_ref_equals_triton_randint(device):
+    """The reference's Philox4x32-10 is bit for bit Triton's `tl.randint`, low and high counter words."""
+    keys = torch.tensor([0, 1, 2**32 - 1, 2**32, 2**61 + 12345, 2**62 - 1], dtype=torch.int64)
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.randint(0, 2**31, (len(keys), 16), generator=g, dtype=torch.int64)
+    offsets[:, :8] += torch.randint(0, 2**20, (len(keys), 8), generator=g) << 32  # the draw word
+    out = torch.empty(len(keys), 16, dtype=torch.int64, device=device)
+    _randint_kernel[(len(keys),)](keys.to(device), offsets.to(device), out, N=16)
+    ref = philox_ref(keys[:, None], offsets & 0xFFFFFFFF, offsets >> 32)
+    assert torch.equal(out.cpu(), ref)
+
+
+def _tolerances(s: torch.Tensor, splits: int, block: int) -> tuple[float, float]:
+    """Race-score and log-prob bounds from the rounding of exp/log and of the sums' order.
+    score = s + noise with |noise| <= 23 (E in [2^-33, 23]): log/exp of a few ulps each -> 8 ulps of
+    (max|s| + 23). lse: each lane adds V / (splits * block) terms, then block lanes and splits merge:
+    (V / block + log2 block + splits + 8) ulps, plus the exp/log ulps of max|s|."""
+    u = 2.0**-23
+    V = s.shape[1]
+    score_tol = 8 * u * (s.abs().max().item() + 23)
+    lp_tol = u * (4 * s.abs().max().item() + V / block + math.log2(block) + splits + 8)
+    return score_tol, lp_tol
+
+
+def _check_against_ref(logits, inv_temp, keys, draws, splits, block):
+    tok, lp = sample_fused(logits, inv_temp, keys, draws, splits=splits, block=block)
+    ref_tok, ref_lp = sample_fused_ref(logits.cpu(), inv_temp.cpu(), keys.cpu(), draws.cpu())
+    s = logits.cpu().float() * inv_temp.cpu()[:, None]
+    score = torch.where((keys.cpu() < 0)[:, None], s, s + race_noise_ref(keys.cpu().clamp(min=0), draws.cpu(), s.shape[1]))
+    score_tol, lp_tol = _tolerances(s, splits or 1, block)
+    tok = tok.cpu()
+    for r in range(len(tok)):
+        if tok[r] != ref_tok[r]:  # only a near-tie of two race scores may go either way
+            assert score[r, tok[r]] >= score[r, ref_tok[r]] - score_tol, (r, tok[r], ref_tok[r])
+    greedy = keys.cpu() < 0
+    assert torch.equal(tok[greedy], ref_tok[greedy])  # no noise: the first maximal logit, exactly
+    same = tok == ref_tok
+    torch.testing.assert_close(lp.cpu()[same], ref_lp[same], rtol=0, atol=lp_tol)
+    return tok, lp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V,splits,block", [(97, 1, 32), (1000, 3, 128), (3001, None, 256), (517, 7, 64)])
+def test_sample_fused_equals_reference(device, dtype, V, splits, block):
+    g = torch.Generator().manual_seed(V)
+    B = 6
+    logits = (torch.randn(B, V, generator=g) * 3).to(dtype)
+    logits[1, V // 3] = logits[1, 2 * V // 3] = logits[1].max() + 1  # a greedy row with a tie: the first wins
+    inv_temp = torch.tensor([1.0, 1.0, 1 / 0.7, 2.0, 1.0, 1 / 1.3])
+    keys = torch.tensor([5, -1, 2**61 + 3, 17, -1, 2**40], dtype=torch.int64)
+    draws = torch.tensor([0, 0, 9, 123456, 0, 2], dtype=torch.int32)
+    tok, _ = _check_against_ref(logits.to(device), inv_temp.to(device), keys.to(device), draws.to(device), splits, block)
+    assert tok[1] == V // 3
+
+
+def test_sample_fused_ref_follows_the_distribution():
+    """The reference's race over 4000 independent keys samples softmax(logits / T)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]]).repeat(4000, 1)
+    T = 0.7
+    keys = torch.arange(4000, dtype=torch.int64) * 7919 + 11
+    tokens, lp = sample_fused_ref(logits, torch.full((4000,), 1 / T), keys, torch.zeros(4000, dtype=torch.int32))
+    freq = torch.bincount(tokens, minlength=5).float() / 4000
+    probs = (logits[0] / T).softmax(-1)
+    torch.testing.assert_close(freq, probs, rtol=0, atol=0.035)  # ~4 sigma at n = 4000
+    torch.testing.assert_close(lp, probs.log()[tokens], rtol=0, atol=1e-5)
+    # the draw counter gives fresh numbers: the same key at draw 1 is another sample
+    again, _ = sample_fused_ref(logits, torch.full((4000,), 1 / T), keys, torch.ones(4000, dtype=torch.int32))
+    assert 0.2 < (again != tokens).float().mean() < 0.9
+
+
+def test_sample_fused_rejects_bad_arguments():
+    logits = torch.randn(3, 10)
+    inv, keys, draws = torch.ones(3), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)
+    cases = [((torch.randn(10), inv, keys, draws), "logits must be a non-empty 2-D"),
+             ((logits.t(), torch.ones(10), torch.zeros(10, dtype=torch.int64), torch.zeros(10, dtype=torch.int32)),
+              "unit stride"),
+             ((logits.long(), inv, keys, draws), "logits must be bf16/fp16/fp32"),
+             ((logits, torch.ones(2), keys, draws), r"inv_temp must be a \[3\] torch.float32"),
+             ((logits, inv, keys.int(), draws), r"keys must be a \[3\] torch.int64"),
+             ((logits, inv, keys, draws.float()), r"draws must be a \[3\]")]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            sample_fused(*args)
+    with pytest.raises(ValueError, match="splits must be an int >= 1"):
+        sample_fused(logits, inv, keys, draws, splits=0)
+
+
+def _engine(sampler, **kw):
+    torch.manual_seed(0)
+    return he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
+        dtype=torch.float32, device="cpu", block_size=4, max_model_len=64, max_num_seqs=8, sampler=sampler, **kw))
+
+
+@pytest.mark.skipif(not _INTERP, reason="the engine's fused sampler on CPU runs under TRITON_INTERPRET=1")
+def test_engine_fused_sampler_greedy_matches_torch_and_seeded_ignores_the_batch():
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=6)
+    seeded = SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=3)
+    outs = {}
+    for sampler in ("torch", "fused"):
+        engine = _engine(sampler)
+        with engine.rollout():
+            outs[sampler] = engine.generate(prompts, greedy)
+            if sampler == "fused":
+                # a seeded request alone, beside other requests, and beside a truncating request (a mixed
+                # step: the truncating rows take `sample`), gives the same tokens
+                alone = engine.generate(prompts[1:2], seeded)
+                mixed = engine.generate(prompts, [SamplingParams(max_tokens=4), seeded,
+                                                  SamplingParams(top_k=5, max_tokens=6, seed=1)])
+                again = engine.generate(prompts[1:2], seeded)
+    for a, b in zip(outs["torch"], outs["fused"]):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            torch.testing.assert_close(torch.tensor(y.logprobs), torch.tensor(x.logprobs), rtol=0, atol=1e-5)
+    ids = [o.token_ids for o in alone[0].outputs]
+    assert ids == [o.token_ids for o in mixed[1].outputs] == [o.token_ids for o in again[0].outputs]
+    assert ids[0] != ids[1]  # the samples of one request draw different streams
+
+
+def test_engine_config_sampler_checks(monkeypatch):
+    with pytest.raises(ValueError, match="sampler must be 'auto', 'fused' or 'torch', got 'gumbel'"):
+        he.EngineConfig(sampler="gumbel")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"sampler='fused' on device 'cpu' needs CUDA or TRITON_INTERPRET=1"):
+        he.EngineConfig(device="cpu", sampler="fused")
+
+
+@pytest.mark.gpu
+def test_sample_fused_on_cuda_at_a_real_vocabulary():
+    """The GPU kernel (ex2/lg2 approximations) at Qwen2's 151,936 columns, the auto split plan."""
+    g = torch.Generator().manual_seed(3)
+    B, V = 16, 151936
+    logits = (torch.randn(B, V, generator=g) * 4).to(torch.bfloat16)
+    inv_temp = torch.tensor([1.0, 1 / 0.6] * 8)
+    keys = torch.tensor([-1 if i % 5 == 0 else 1000 + i for i in range(B)], dtype=torch.int64)
+    draws = torch.arange(B, dtype=torch.int32)
+    _check_against_ref(logits.cuda(), inv_temp.cuda(), keys.cuda(), draws.cuda(), None, 1024)
