@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import e2e, floors, generate, paged_attention, peers, ppo_loss, segment_copy, switch, train
+from . import e2e, floors, generate, paged_attention, peers, ppo_loss, sampler, segment_copy, switch, train
 from .common import Ctx, Recorder, release_memory
 
 BENCHES = {
@@ -29,6 +29,7 @@ BENCHES = {
     "deepspeed_train": functools.partial(peers.deepspeed_zero3, rest=False),
     "deepspeed_switch": peers.deepspeed_switch,
     "segment_copy": segment_copy.segment_copy,
+    "sampler": sampler.sampler,
     "switch": switch.switch,
     "unit_gather": switch.unit_gather,
     "generate": generate.generate,
@@ -51,6 +52,7 @@ SUITES: dict[str, list[str]] = {
     "fsdp2": [*FLOORS, "fsdp2"],
     "hf_generate": [*FLOORS, "hf_generate"],
     "segment_copy": ["hbm_copy", "segment_copy"],
+    "sampler": ["hbm_copy", "sampler"],
     "switch": ["all_gather", "switch", "unit_gather", "deepspeed_switch"],  # DeepSpeed last (zero.Init)
     "unit_gather": ["unit_gather"],
     "generate": ["hbm_copy", "generate"],

@@ -157,12 +157,13 @@ def sample_ref(logits: torch.Tensor, params: list[SamplingParams],
 
 
 # --------------------------------------------------------------------------------------------
-# The fused sampler: one Triton pass over the logits (kernels in hybridengine.kernels.sampling).
+# The fused sampler: one Triton kernel over column splits of the logits (two passes each, the second
+# from L2) and a combine kernel (kernels in hybridengine.kernels.sampling).
 #
 # The same exponential race as `sample`, with its noise drawn inside the kernel from Philox4x32-10
 # keyed per row, instead of torch's generator over a [B, V] noise tensor: a decode step at B = 256 of
 # a 152k vocabulary spent ~0.6 ms in `sample`'s eight kernels (fp32 copy, softmax, noise, divide,
-# argmax, log_softmax, gather) against a single read of the logits here. No truncation (top-k/top-p
+# argmax, log_softmax, gather) against two launches here. No truncation (top-k/top-p
 # need a sort: the engine takes `sample` for a step where any row truncates). The two samplers draw
 # different random streams, so seeded outputs are reproducible within one sampler, not across them.
 
@@ -178,36 +179,38 @@ def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t + (u >> 16)) >> 16, (((t & 0xFFFF) << 16) + u) & _M32
 
 
-def philox_ref(key: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> torch.Tensor:
-    """First output word of Philox4x32-10 (Triton's `tl.randint`) at counter (c0, c1, 0, 0) under
-    the 64-bit key, in int64 arithmetic on 32-bit values. Shapes broadcast."""
+def philox_ref(key: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The four output words of Philox4x32-10 (Triton's `tl.randint4x`) at counter (c0, c1, 0, 0)
+    under the 64-bit key, in int64 arithmetic on 32-bit values. Shapes broadcast."""
     k0, k1 = key & _M32, (key >> 32) & _M32
+    c0, c1 = torch.broadcast_tensors(c0 & _M32, c1 & _M32)
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
-    c0, c1 = c0 & _M32, c1 & _M32
     for _ in range(10):
         hi_b, lo_b = _mul32(_PHILOX_B, c2)
         hi_a, lo_a = _mul32(_PHILOX_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
-    return c0
+    return c0, c1, c2, c3
 
 
-def race_noise_ref(keys: torch.Tensor, draws: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """-log(E), E ~ Exp(1), per (row, column): the kernel's `race_noise` written plainly [B, n_cols]."""
+def race_exp_ref(keys: torch.Tensor, draws: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """E ~ Exp(1) per (row, column), the kernel's `race_exp` written plainly [B, n_cols]: column
+    4n + j is word j of Philox at counter (n, draw)."""
     cols = torch.arange(n_cols, dtype=torch.int64, device=keys.device)
-    x = philox_ref(keys[:, None], cols[None, :], draws.to(torch.int64)[:, None])
+    words = philox_ref(keys[:, None], (cols // 4)[None, :], draws.to(torch.int64)[:, None])
+    x = torch.stack(words, -1).gather(-1, (cols % 4).expand(len(keys), n_cols)[..., None]).squeeze(-1)
     v = (x.float() + 0.5) * 2.0**-32
-    e = torch.where(v < 2.0**-12, v + 0.5 * v * v, -torch.log(1.0 - v))
-    return -torch.log(e)
+    return torch.where(v < 2.0**-12, v + 0.5 * v * v, -torch.log(1.0 - v))
 
 
 def sample_fused_ref(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor,
                      draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain reference of `sample_fused`: s = logits * inv_temp (fp32); token = argmax(s - log E)
-    (argmax s for a greedy row, key < 0); log-prob = s[token] - logsumexp(s)."""
+    (argmax s for a greedy row, key < 0); log-prob = s[token] - logsumexp(s). (The kernel takes the
+    argmax of exp(s - max) / E, the same race.)"""
     s = logits.float() * inv_temp.float()[:, None]
-    score = torch.where((keys < 0)[:, None], s, s + race_noise_ref(keys.clamp(min=0), draws, s.shape[1]))
+    score = torch.where((keys < 0)[:, None], s, s - torch.log(race_exp_ref(keys.clamp(min=0), draws, s.shape[1])))
     tokens = score.argmax(-1)
     return tokens, s.gather(-1, tokens[:, None]).squeeze(1) - torch.logsumexp(s, -1)
 
@@ -241,7 +244,7 @@ def fused_splits(rows: int, n_cols: int, block: int, device: torch.device) -> in
 
 def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, draws: torch.Tensor, *,
                  splits: int | None = None, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of logits [B, V] in one pass: (tokens int64 [B], log-probs fp32 [B]).
+    """Sample one token per row of logits [B, V] in two launches: (tokens int64 [B], log-probs fp32 [B]).
 
     inv_temp [B] fp32: 1 / temperature (1 for a greedy row); keys [B] int64: the row's Philox key, < 0
     for a greedy row (argmax, log-prob at T = 1); draws [B]: the row's draw counter (the Philox counter's
@@ -258,6 +261,8 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
         splits = fused_splits(B, V, block, logits.device)
     if not isinstance(splits, int) or splits < 1:
         raise ValueError(f"sample_fused: splits must be an int >= 1, got {splits!r}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"sample_fused: block must be a power of 2 >= 16, got {block!r}")
     chunk = -(-V // splits)
     chunk = -(-chunk // block) * block
     splits = -(-V // chunk)  # no empty split

@@ -1,5 +1,6 @@
-"""Triton kernels of the fused sampler: one pass over the logits gives each row's sampled token (the
-exponential race with Philox noise drawn in the kernel), its log-prob and its greedy argmax.
+"""Triton kernels of the fused sampler: two passes over a split of the logits (max, then sum and race)
+give each row's sampled token (the exponential race with Philox noise drawn in the kernel), its
+log-prob and its greedy argmax; a combine kernel merges the splits.
 
 The launcher, its checks and the plain-torch reference (the same Philox in int64 arithmetic) are in
 `hybridengine.sampling` (`sample_fused`, `sample_fused_ref`).
@@ -10,16 +11,17 @@ import triton.language as tl
 
 
 @triton.jit
-def race_noise(key, draw, cols):
-    """-log(E) for E ~ Exp(1) at each column: Philox4x32-10 keyed by `key` (int64) at counter
-    (col, draw, 0, 0); v = (x + 1/2) 2^-32 in (0, 1); E = -log(1 - v), taken as v + v^2/2 below 2^-12
-    (where 1 - v would lose v's digits). E is never 0, so no column wins by an infinite score."""
-    offsets = cols.to(tl.int64) + (draw.to(tl.int64) << 32)
-    x = tl.randint(key, offsets)  # uint32 bits in an int32/uint32 tensor
+def race_exp(key, draw, c0, BLOCK: tl.constexpr):
+    """E ~ Exp(1) for columns c0 .. c0 + BLOCK (c0 a multiple of 4): one Philox4x32-10 call per 4
+    columns, keyed by `key` (int64) at counter (c0 / 4 + n, draw, 0, 0); column 4n + j takes output
+    word j. v = (x + 1/2) 2^-32 in (0, 1); E = -log(1 - v), taken as v + v^2/2 below 2^-12 (where
+    1 - v would lose v's digits). E is never 0."""
+    n = (c0 // 4 + tl.arange(0, BLOCK // 4)).to(tl.int64) + (draw.to(tl.int64) << 32)
+    r0, r1, r2, r3 = tl.randint4x(key, n)
+    x = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])  # x[4n + j] = r_j[n]
     xf = x.to(tl.uint32, bitcast=True).to(tl.float32)
     v = (xf + 0.5) * 2.3283064365386963e-10
-    e = tl.where(v < 0.000244140625, v + 0.5 * v * v, -tl.log(1.0 - v))
-    return -tl.log(e)
+    return tl.where(v < 0.000244140625, v + 0.5 * v * v, -tl.log(1.0 - v))
 
 
 @triton.jit
@@ -28,50 +30,60 @@ def sample_partial_kernel(
     OutMax, OutSum, OutBest, OutIdx, OutVal,
     n_cols, chunk, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Program (row, split) over columns [split * chunk, (split + 1) * chunk): s = logit * inv_temp
-    in fp32; online max and sum of exp(s - max) per lane; the race score s - log(E) (s alone for a
-    greedy row, key < 0) and its best column per lane (the first on ties); reduced over lanes at the end.
-    Writes the split's (max, sum, best score, best column, s at that column)."""
+    """Program (row, split) over columns [split * chunk, (split + 1) * chunk), s = logit * inv_temp
+    in fp32, in two passes: the split's max M of s, then e = exp(s - M), their sum, and the race
+    winner argmax e / E, compared as e * E_best > e_best * E (no division; the first column wins a
+    tie in each lane). A greedy row (key < 0) takes argmax s instead. Writes the split's (M, sum,
+    winning score in the log domain: s - log E (s when greedy), its column, its s)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     inv_t = tl.load(InvTemp + row)
     key = tl.load(Keys + row)
     draw = tl.load(Draws + row)
-    greedy = key < 0
     lanes = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK], tl.float32)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK], 2147483647, tl.int32)
-    best_val = tl.zeros([BLOCK], tl.float32)
     start = split * chunk
     end = tl.minimum(start + chunk, n_cols)
+    base = Logits + row * stride_l
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
     for c0 in range(start, end, BLOCK):
         cols = c0 + lanes
-        ok = cols < end
-        s = tl.load(Logits + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp(m - m_safe) + tl.exp(s - m_safe)
-        m = m_new
-        if greedy:
-            score = s
-        else:
-            score = s + race_noise(key, draw, cols)
-        score = tl.where(ok, score, float("-inf"))
-        win = score > best  # strict: a lane keeps its first column on ties
-        best = tl.where(win, score, best)
-        best_idx = tl.where(win, cols, best_idx)
-        best_val = tl.where(win, s, best_val)
-    mx = tl.max(m, 0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, l * tl.exp(m - mx_safe)), 0)
-    top = tl.max(best, 0)
-    first = tl.min(tl.where(best == top, best_idx, 2147483647), 0)
+        s = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32) * inv_t
+        mx = tl.maximum(mx, s)
+    M = tl.max(mx, 0)
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    l = tl.zeros([BLOCK], tl.float32)
+    best_idx = tl.full([BLOCK], 2147483647, tl.int32)
+    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+    if key < 0:  # greedy: the first maximal s
+        for c0 in range(start, end, BLOCK):
+            cols = c0 + lanes
+            s = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32) * inv_t
+            l += tl.exp(s - M_safe)
+            win = s > best_val
+            best_idx = tl.where(win, cols, best_idx)
+            best_val = tl.where(win, s, best_val)
+        score = best_val
+    else:
+        best_e = tl.zeros([BLOCK], tl.float32)
+        best_E = tl.full([BLOCK], 1.0, tl.float32)
+        for c0 in range(start, end, BLOCK):
+            cols = c0 + lanes
+            s = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32) * inv_t
+            e = tl.exp(s - M_safe)
+            l += e
+            E = race_exp(key, draw, c0, BLOCK)
+            win = e * best_E > best_e * E
+            best_e = tl.where(win, e, best_e)
+            best_E = tl.where(win, E, best_E)
+            best_idx = tl.where(win, cols, best_idx)
+            best_val = tl.where(win, s, best_val)
+        score = tl.where(best_e > 0, tl.log(tl.maximum(best_e, 1e-38)) - tl.log(best_E) + M_safe, float("-inf"))
+    top = tl.max(score, 0)
+    first = tl.min(tl.where(score == top, best_idx, 2147483647), 0)
     val = tl.sum(tl.where(best_idx == first, best_val, 0.0), 0)
     out = row * SPLITS + split
-    tl.store(OutMax + out, mx)
-    tl.store(OutSum + out, total)
+    tl.store(OutMax + out, M)
+    tl.store(OutSum + out, tl.sum(l, 0))
     tl.store(OutBest + out, top)
     tl.store(OutIdx + out, first)
     tl.store(OutVal + out, val)

@@ -148,6 +148,9 @@ def synthetic_rows(path: Path) -> None:
         rec.add("ppo_loss", provider, "qwen2-7b", case, "TFLOP_per_s", [400.0 * 0.2 / secs])
         rec.add("ppo_loss", provider, "qwen2-7b", {**case, "source": "torch", "scope": "extra"}, "peak_GiB", extra)
     rec.not_run("ppo_loss", "liger", "qwen2-7b", "liger_kernel is not installed", **ppo)
+    samp = {"batch": 128, "vocab": 152064, "dtype": "bf16", "logits_bytes": 38928384}
+    rec.add("sampler", "hybridengine", None, {**samp, "splits": 5, "block": 1024}, "seconds", [3.0e-5])
+    rec.add("sampler", "torch_sample", None, samp, "seconds", [3.0e-4])
     # Rows of benches this report has no section for must not break it.
     rec.add("new_bench", "torch_ref", None, {"size": 3}, "seconds", [2.5e-6])
 
@@ -161,7 +164,7 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     readme.write_text(f"# x\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
     text = report(rows, tmp_path / "out", readme).read_text()
     for heading in ("## Floors", "## Train -> generate switch", "## Unit gather", "## Rollout generation",
-                    "## Train step", "## Segment copy", "## Paged decode attention", "## PPO / GRPO loss",
+                    "## Train step", "## Segment copy", "## Sampler", "## Paged decode attention", "## PPO / GRPO loss",
                     "## Other benches", "## Not run", "## Runs"):
         assert heading in text
     # Ratios inside run r1: floor 6 * 7.6e9 * 4096 / 790 TFLOP/s = 0.236 s; fsdp2 0.51 s / 1.0 s = 0.51.
@@ -189,6 +192,8 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     assert "| 32,768 | liger | – | not run [1] |" in text and "[1] liger: liger_kernel is not installed" in text
     assert "| 32,768 | 1,024 | 250 (250–250) | 320 | 1.50 | 0.80 | r2 |" in text
     assert "| new_bench | – | torch_ref | size=3 | seconds | 2.50 us (2.50–2.50) | r2 |" in text
+    # Sampler: floor 38.9 MB / 4,000 GB/s = 9.73 us; 30 us / 9.73 = 3.08; torch 300 us / 30 = 10.
+    assert "| 128 | hybridengine | 5 x 1024 | 30.0 us (30.0–30.0) | 9.73 us | 3.08 | 10.00 |" in text
     if importlib.util.find_spec("matplotlib"):
         assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == [
             "all_gather.png", "generate.png", "paged_attention.png", "ppo_loss.png", "segment_copy.png", "switch.png",
