@@ -77,7 +77,7 @@ def sample_partial_kernel(
             best_E = tl.where(win, E, best_E)
             best_idx = tl.where(win, cols, best_idx)
             best_val = tl.where(win, s, best_val)
-        score = tl.where(best_e > 0, tl.log(tl.maximum(best_e, 1e-38)) - tl.log(best_E) + M_safe, float("-inf"))
+        score = tl.where(best_e > 0, tl.log(tl.maximum(best_e, 1e-30)) - tl.log(best_E) + M_safe, float("-inf"))
     top = tl.max(score, 0)
     first = tl.min(tl.where(score == top, best_idx, 2147483647), 0)
     val = tl.sum(tl.where(best_idx == first, best_val, 0.0), 0)
