@@ -391,7 +391,13 @@ class HybridEngine:
         params = [s.params for s in seqs]
         mode = self.config.sampler
         truncates = [p.top_k > 0 or p.top_p < 1 for p in params]
-        if mode == "torch" or (mode == "auto" and not logits.is_cuda) or all(truncates):
+        fused = mode == "fused" or (mode == "auto" and logits.is_cuda)
+        shard = getattr(self.model, "vocab_shard", None)
+        if shard is not None:  # TP: logits are this rank's vocabulary slice
+            if fused and not any(truncates) and shard.rows % 4 == 0:  # every rank's first column a multiple of 4
+                return self._sample_fused(logits, seqs, shard)
+            logits = shard.gather(logits)
+        if not fused or all(truncates):
             return sample(logits, params, [s.generator for s in seqs])
         if not any(truncates):
             return self._sample_fused(logits, seqs)
@@ -408,7 +414,7 @@ class HybridEngine:
             logprobs.index_copy_(0, index, lp.float())
         return tokens, logprobs
 
-    def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence], shard=None) -> tuple[torch.Tensor, torch.Tensor]:
         step_key = self._sample_rng.getrandbits(62)
         keys, draws, inv_temp = [], [], []
         for i, seq in enumerate(seqs):
@@ -424,7 +430,8 @@ class HybridEngine:
             inv_temp.append(1.0 / p.temperature)
             seq.draws += 1
         ints = _to_device([keys, draws], torch.int64, logits.device)
-        return sample_fused(logits, _to_device(inv_temp, torch.float32, logits.device), ints[0], ints[1])
+        vocab = {} if shard is None else dict(col_offset=shard.first, n_valid=shard.valid, group=shard.group)
+        return sample_fused(logits, _to_device(inv_temp, torch.float32, logits.device), ints[0], ints[1], **vocab)
 
     def _validate(self, prompts, params: list[SamplingParams]) -> None:
         if self._runner is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(kw_only=True, slots=True)
@@ -243,7 +244,8 @@ def fused_splits(rows: int, n_cols: int, block: int, device: torch.device) -> in
 
 
 def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, draws: torch.Tensor, *,
-                 splits: int | None = None, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                 splits: int | None = None, block: int = 1024, col_offset: int = 0, n_valid: int | None = None,
+                 group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of logits [B, V] in two launches: (tokens int64 [B], log-probs fp32 [B]).
 
     inv_temp [B] fp32: 1 / temperature (1 for a greedy row); keys [B] int64: the row's Philox key, < 0
@@ -252,11 +254,25 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
     module's convention (temperature applied, no truncation). Returns `sample_fused_ref`'s result up to
     the rounding of exp/log (the tokens differ only where two race scores tie within that rounding).
     Runs the Triton kernels (on CPU: under TRITON_INTERPRET=1).
+
+    Vocab-parallel (TP): with `group`, logits are this rank's columns [col_offset, col_offset + V) of
+    the vocabulary (col_offset % 4 == 0), of which the first `n_valid` are real (the last rank's shard
+    is zero-padded); every rank calls with the same V, rows and keys, so all split alike. Each rank reduces its columns, the partials are all-gathered (B x splits x 5 floats
+    per rank, instead of the logits) and every rank combines them into the same tokens, exactly those
+    of one rank holding the whole vocabulary (the noise is drawn per vocabulary column).
     """
     from .kernels.sampling import sample_combine_kernel, sample_partial_kernel
 
     _check_fused_args(logits, inv_temp, keys, draws)
     B, V = logits.shape
+    if not isinstance(col_offset, int) or col_offset < 0 or col_offset % 4:
+        raise ValueError(f"sample_fused: col_offset must be a non-negative multiple of 4, got {col_offset!r}")
+    if col_offset + V >= 2**24:
+        raise ValueError(f"sample_fused: columns up to {col_offset + V} must be < 2^24 (kept exactly in fp32)")
+    if n_valid is None:
+        n_valid = V
+    if not isinstance(n_valid, int) or not 0 <= n_valid <= V:
+        raise ValueError(f"sample_fused: n_valid must be an int in [0, {V}], got {n_valid!r}")
     if splits is None:
         splits = fused_splits(B, V, block, logits.device)
     if not isinstance(splits, int) or splits < 1:
@@ -266,15 +282,19 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
     chunk = -(-V // splits)
     chunk = -(-chunk // block) * block
     splits = -(-V // chunk)  # no empty split
-    part = torch.empty(4, B, splits, dtype=torch.float32, device=logits.device)  # max, sum, best, s at best
-    idx = torch.empty(B, splits, dtype=torch.int32, device=logits.device)
-    sample_partial_kernel[(B, splits)](logits, logits.stride(0), inv_temp, keys, draws,
-                                       part[0], part[1], part[2], idx, part[3], V, chunk,
+    part = torch.empty(5, B, splits, dtype=torch.float32, device=logits.device)  # max, sum, best, column, s
+    sample_partial_kernel[(B, splits)](logits, logits.stride(0), inv_temp, keys, draws, part, n_valid, chunk, col_offset,
                                        SPLITS=splits, BLOCK=block, num_warps=4)
+    if group is not None and dist.get_world_size(group) > 1:
+        n = dist.get_world_size(group)
+        parts = [torch.empty_like(part) for _ in range(n)]
+        dist.all_gather(parts, part, group=group)
+        part = torch.cat(parts, dim=2)
+        splits *= n
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    sample_combine_kernel[(B,)](part[0], part[1], part[2], idx, part[3], tokens, logprobs,
-                                SPLITS=splits, BLOCK_S=max(2, triton_next_pow2(splits)), num_warps=1)
+    sample_combine_kernel[(B,)](part, tokens, logprobs, B, SPLITS=splits, BLOCK_S=max(2, triton_next_pow2(splits)),
+                                num_warps=1)
     return tokens, logprobs
 
 

@@ -6,7 +6,9 @@ rows (ceil(V / tg) per rank, zero-padded). A `CausalLM` built for the *local* sh
 intermediate / tg, vocab rows / tg) has exactly those parameter shapes, so its weights are plain
 views of G. What TP adds is three collectives over the TP group, attached here with hooks:
 all-reduce after the row-parallel o_proj and down_proj, a vocab-parallel embedding lookup
-(masked local lookup + all-reduce), and an all-gather of the vocab-sliced logits.
+(masked local lookup + all-reduce), and the vocab-sliced logits (`VocabShard`): the rollout samples
+from them vocab-parallel (`sampling.sample_fused(group=)`: each rank reduces its columns, the ranks
+exchange B x splits x 5 floats) and all-gathers the logits only for a step that truncates.
 
 The all-reduces of a decode step are small ([batch, hidden], about 1-2 MB) and latency-bound, 57 of
 them per step for a 28-layer model. On CUDA they go, by default, through torch's symmetric memory
@@ -124,6 +126,33 @@ def make_all_reduce(mode: str, group, *, capacity: int, dtype: torch.dtype, devi
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class VocabShard:
+    """A TP rank's slice of the vocabulary: LM-head rows [first, first + rows), the first `valid` of
+    them real (the rest zero padding). `local_logits(hidden)` gives this rank's logits [..., rows]; the
+    rollout samples from them vocab-parallel (`sampling.sample_fused(group=)`) and gathers the whole
+    vocabulary (`gather_vocab`) only for a step that truncates (top-k/top-p)."""
+
+    first: int
+    rows: int
+    valid: int
+    vocab_size: int
+    group: object
+    tp_size: int
+    local_logits: object
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor:
+        return gather_vocab(part, group=self.group, tp_size=self.tp_size, vocab_size=self.vocab_size)
+
+
+def gather_vocab(part: torch.Tensor, *, group, tp_size: int, vocab_size: int) -> torch.Tensor:
+    """The vocab-sliced logits [..., rows] of every TP rank -> [..., vocab_size] (padding dropped)."""
+    part = part.contiguous()
+    parts = [torch.empty_like(part) for _ in range(tp_size)]
+    dist.all_gather(parts, part, group=group)
+    return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
 def parallelize(model: CausalLM, *, vocab_size: int, tp_rank: int, tp_size: int, group,
                 all_reduce: SymmAllReduce | None = None) -> CausalLM:
     """Attach the TP collectives to a model built with `local_config` over its slice of G
@@ -161,10 +190,9 @@ def parallelize(model: CausalLM, *, vocab_size: int, tp_rank: int, tp_size: int,
     local_logits = model.compute_logits
 
     def gathered_logits(hidden: torch.Tensor) -> torch.Tensor:
-        part = local_logits(hidden).contiguous()
-        parts = [torch.empty_like(part) for _ in range(tp_size)]
-        dist.all_gather(parts, part, group=group)
-        return torch.cat(parts, dim=-1)[..., :vocab_size]  # drop the zero padding rows' logits
+        return gather_vocab(local_logits(hidden), group=group, tp_size=tp_size, vocab_size=vocab_size)
 
     model.compute_logits = gathered_logits
+    model.vocab_shard = VocabShard(first=first, rows=rows, valid=max(0, min(rows, vocab_size - first)),
+                                   vocab_size=vocab_size, group=group, tp_size=tp_size, local_logits=local_logits)
     return model

@@ -26,15 +26,17 @@ def race_exp(key, draw, c0, BLOCK: tl.constexpr):
 
 @triton.jit
 def sample_partial_kernel(
-    Logits, stride_l, InvTemp, Keys, Draws,
-    OutMax, OutSum, OutBest, OutIdx, OutVal,
-    n_cols, chunk, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+    Logits, stride_l, InvTemp, Keys, Draws, Out,
+    n_cols, chunk, col_offset, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (row, split) over columns [split * chunk, (split + 1) * chunk), s = logit * inv_temp
     in fp32, in two passes: the split's max M of s, then e = exp(s - M), their sum, and the race
     winner argmax e / E, compared as e * E_best > e_best * E (no division; the first column wins a
-    tie in each lane). A greedy row (key < 0) takes argmax s instead. Writes the split's (M, sum,
-    winning score in the log domain: s - log E (s when greedy), its column, its s)."""
+    tie in each lane). A greedy row (key < 0) takes argmax s instead. Column c of these logits is
+    column col_offset + c of the vocabulary (a TP rank's shard; col_offset % 4 == 0): its noise and
+    the reported column are the vocabulary's. Writes Out[:, row, split] (fp32 [5, B, SPLITS]): M, sum,
+    the winning score in the log domain (s - log E; s when greedy), its column (exact in fp32 below
+    2^24), its s."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     inv_t = tl.load(InvTemp + row)
@@ -60,7 +62,7 @@ def sample_partial_kernel(
             s = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32) * inv_t
             l += tl.exp(s - M_safe)
             win = s > best_val
-            best_idx = tl.where(win, cols, best_idx)
+            best_idx = tl.where(win, col_offset + cols, best_idx)
             best_val = tl.where(win, s, best_val)
         score = best_val
     else:
@@ -71,45 +73,46 @@ def sample_partial_kernel(
             s = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32) * inv_t
             e = tl.exp(s - M_safe)
             l += e
-            E = race_exp(key, draw, c0, BLOCK)
+            E = race_exp(key, draw, col_offset + c0, BLOCK)
             win = e * best_E > best_e * E
             best_e = tl.where(win, e, best_e)
             best_E = tl.where(win, E, best_E)
-            best_idx = tl.where(win, cols, best_idx)
+            best_idx = tl.where(win, col_offset + cols, best_idx)
             best_val = tl.where(win, s, best_val)
         score = tl.where(best_e > 0, tl.log(tl.maximum(best_e, 1e-30)) - tl.log(best_E) + M_safe, float("-inf"))
     top = tl.max(score, 0)
     first = tl.min(tl.where(score == top, best_idx, 2147483647), 0)
     val = tl.sum(tl.where(best_idx == first, best_val, 0.0), 0)
     out = row * SPLITS + split
-    tl.store(OutMax + out, M)
-    tl.store(OutSum + out, tl.sum(l, 0))
-    tl.store(OutBest + out, top)
-    tl.store(OutIdx + out, first)
-    tl.store(OutVal + out, val)
+    plane = tl.num_programs(0).to(tl.int64) * SPLITS
+    tl.store(Out + out, M)
+    tl.store(Out + plane + out, tl.sum(l, 0))
+    tl.store(Out + 2 * plane + out, top)
+    tl.store(Out + 3 * plane + out, first.to(tl.float32))
+    tl.store(Out + 4 * plane + out, val)
 
 
 @triton.jit
-def sample_combine_kernel(
-    InMax, InSum, InBest, InIdx, InVal, Tokens, Logprobs,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """One program per row: lse = log sum over splits of sum * exp(max - M) + M; the token is the
-    best score's column (the first split on ties, so the first column overall); log-prob = s - lse."""
+def sample_combine_kernel(Part, Tokens, Logprobs, n_rows, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per row over Part (fp32 [5, rows, SPLITS], the partial kernel's planes, the splits
+    of every TP rank side by side): lse = M + log sum of sum * exp(max - M); the token is the best
+    score's column (the smallest column on ties); log-prob = s - lse."""
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, BLOCK_S)
     ok = sp < SPLITS
-    mx = tl.load(InMax + row * SPLITS + sp, mask=ok, other=float("-inf"))
-    sm = tl.load(InSum + row * SPLITS + sp, mask=ok, other=0.0)
-    bs = tl.load(InBest + row * SPLITS + sp, mask=ok, other=float("-inf"))
-    idx = tl.load(InIdx + row * SPLITS + sp, mask=ok, other=2147483647)
-    val = tl.load(InVal + row * SPLITS + sp, mask=ok, other=0.0)
+    plane = n_rows * SPLITS
+    base = Part + row * SPLITS + sp
+    mx = tl.load(base, mask=ok, other=float("-inf"))
+    sm = tl.load(base + plane, mask=ok, other=0.0)
+    bs = tl.load(base + 2 * plane, mask=ok, other=float("-inf"))
+    idx = tl.load(base + 3 * plane, mask=ok, other=4294967296.0)
+    val = tl.load(base + 4 * plane, mask=ok, other=0.0)
     M = tl.max(mx, 0)
     M_safe = tl.where(M == float("-inf"), 0.0, M)
     total = tl.sum(tl.where(mx == float("-inf"), 0.0, sm * tl.exp(mx - M_safe)), 0)
     lse = M_safe + tl.log(total)
     top = tl.max(bs, 0)
-    token = tl.min(tl.where(bs == top, idx, 2147483647), 0)
+    token = tl.min(tl.where(bs == top, idx, 4294967296.0), 0)
     s = tl.sum(tl.where(idx == token, val, 0.0), 0)
     tl.store(Tokens + row, token.to(tl.int64))
     tl.store(Logprobs + row, s - lse)

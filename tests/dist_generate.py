@@ -5,6 +5,7 @@
    rounded add), eagerly and replayed from a CUDA graph, including a message over the capacity (NCCL).
 2. Greedy generation at tg = world with tp_all_reduce='symm_mem' gives the tokens and log-probs of
    tp_all_reduce='nccl' (CUDA graphs on, a prefill over the buffer's capacity, two rollouts).
+3. The vocab-parallel fused sampler gives the greedy tokens of the gathered logits + torch sampler.
 Every rank asserts; rank 0 prints one line per check.
 """
 
@@ -54,11 +55,11 @@ def check_all_reduce(rank: int, group) -> None:
     assert ar.calls > 0
 
 
-def generate(tg: int, mode: str):
+def generate(tg: int, mode: str, sampler: str = "auto"):
     cfg = he.model_config("tiny-qwen2")
     engine = he.HybridEngine(cfg, he.EngineConfig(dtype=torch.bfloat16, device="cuda", tp_generation=tg,
                                                   tp_all_reduce=mode, block_size=16, max_model_len=1024,
-                                                  max_num_seqs=16, gpu_memory_utilization=0.3))
+                                                  max_num_seqs=16, gpu_memory_utilization=0.3, sampler=sampler))
     assert (engine.tp_all_reduce is not None) == (mode == "symm_mem")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 300, 290, 40)]
@@ -86,6 +87,17 @@ def main():
     assert got == ref, "symm_mem generation differs from nccl"
     if rank == 0:
         print(f"dist_generate: greedy generation tg={world} symm_mem == nccl ({calls} symm_mem calls): passed", flush=True)
+    # greedy through the vocab-parallel fused sampler (auto on CUDA; tiny-qwen2's 64 rows per rank) and
+    # through the gathered logits + torch sampler: the same tokens, log-probs to fp32 rounding
+    plain, _ = generate(world, "symm_mem", sampler="torch")
+    for a, b in zip(got, plain):
+        for x, y in zip(a, b):
+            for (ta, la), (tb, lb) in zip(x, y):
+                assert ta == tb, "vocab-parallel fused greedy tokens differ from the torch sampler's"
+                torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=0, atol=1e-4)
+    if rank == 0:
+        print(f"dist_generate: vocab-parallel fused sampler == gathered torch sampler (greedy, tg={world}): passed",
+              flush=True)
     dist.destroy_process_group()
 
 
