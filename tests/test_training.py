@@ -215,9 +215,13 @@ def test_golden_losses():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(golden["losses"]), rtol=1e-5, atol=1e-6)
 
 
-def test_generation_logprobs_equal_engine_log_probs():
+@pytest.mark.parametrize("sampler", ["torch", pytest.param("fused", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the fused sampler on CPU runs in the interpreter"))])
+def test_generation_logprobs_equal_engine_log_probs(sampler):
+    """The log-prob convention (log_softmax(logits / T) at the token) holds for both samplers."""
     hf = build("tiny-llama")
-    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", block_size=4, max_model_len=64))
+    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", block_size=4, max_model_len=64,
+                                                 sampler=sampler))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (4, 9, 13)]
     with engine.rollout():
