@@ -193,7 +193,7 @@ def critic_advantages(critic: he.HybridEngine, batch: he.PPOBatch, scores: list[
     """PPO's advantages from the critic: values of the rollout, the sequence reward on each response's
     last token, GAE (whitened over the batch). Returns (advantages per sequence, the critic's batch
     toward the GAE returns, metrics: the values' mean and explained variance of the returns)."""
-    values = critic.values(batch)                                # [B, max_len - 1]
+    values = critic.values(batch).cpu()                          # [B, max_len - 1]; the batch's tensors are on the CPU
     mask = pad_sequence(batch.response_mask, batch_first=True)
     rewards = torch.zeros_like(values)
     last = torch.tensor(batch.lengths) - 2                       # the last target position: the last response token
