@@ -257,9 +257,10 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
 
     Vocab-parallel (TP): with `group`, logits are this rank's columns [col_offset, col_offset + V) of
     the vocabulary (col_offset % 4 == 0), of which the first `n_valid` are real (the last rank's shard
-    is zero-padded); every rank calls with the same V, rows and keys, so all split alike. Each rank reduces its columns, the partials are all-gathered (B x splits x 5 floats
-    per rank, instead of the logits) and every rank combines them into the same tokens, exactly those
-    of one rank holding the whole vocabulary (the noise is drawn per vocabulary column).
+    is zero-padded); every rank calls with the same V, rows and keys, so all split alike. Each rank
+    reduces its columns, the partials are all-gathered (B x splits x 5 floats per rank, instead of the
+    logits) and every rank combines them into the same tokens: those of one rank holding the whole
+    vocabulary (the noise is drawn per vocabulary column), up to the order of the sum's adds.
     """
     from .kernels.sampling import sample_combine_kernel, sample_partial_kernel
 
@@ -273,12 +274,12 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
         n_valid = V
     if not isinstance(n_valid, int) or not 0 <= n_valid <= V:
         raise ValueError(f"sample_fused: n_valid must be an int in [0, {V}], got {n_valid!r}")
+    if not isinstance(block, int) or block < 16 or block & (block - 1):
+        raise ValueError(f"sample_fused: block must be a power of 2 >= 16, got {block!r}")
     if splits is None:
         splits = fused_splits(B, V, block, logits.device)
     if not isinstance(splits, int) or splits < 1:
         raise ValueError(f"sample_fused: splits must be an int >= 1, got {splits!r}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"sample_fused: block must be a power of 2 >= 16, got {block!r}")
     chunk = -(-V // splits)
     chunk = -(-chunk // block) * block
     splits = -(-V // chunk)  # no empty split
@@ -293,10 +294,10 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
         splits *= n
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    sample_combine_kernel[(B,)](part, tokens, logprobs, B, SPLITS=splits, BLOCK_S=max(2, triton_next_pow2(splits)),
+    sample_combine_kernel[(B,)](part, tokens, logprobs, B, SPLITS=splits, BLOCK_S=max(2, _next_pow2(splits)),
                                 num_warps=1)
     return tokens, logprobs
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()

@@ -112,6 +112,51 @@ def test_sample_fused_rejects_bad_arguments():
             sample_fused(*args)
     with pytest.raises(ValueError, match="splits must be an int >= 1"):
         sample_fused(logits, inv, keys, draws, splits=0)
+    with pytest.raises(ValueError, match="block must be a power of 2 >= 16"):
+        sample_fused(logits, inv, keys, draws, block=24)
+    with pytest.raises(ValueError, match="col_offset must be a non-negative multiple of 4, got 6"):
+        sample_fused(logits, inv, keys, draws, col_offset=6)
+    with pytest.raises(ValueError, match=r"n_valid must be an int in \[0, 10\], got 11"):
+        sample_fused(logits, inv, keys, draws, n_valid=11)
+
+
+def _vocab_parallel_worker(rank, world, init_file, logits, inv, keys, draws, expected, errors):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        rows = -(-logits.shape[1] // world // 4) * 4  # a multiple of 4; the last rank's shard is zero-padded
+        part = torch.zeros(logits.shape[0], rows, dtype=logits.dtype)
+        mine = logits[:, rank * rows:(rank + 1) * rows]
+        part[:, :mine.shape[1]] = mine
+        tok, lp = sample_fused(part, inv, keys, draws, col_offset=rank * rows, n_valid=mine.shape[1],
+                               group=dist.group.WORLD, splits=2, block=32)
+        if not torch.equal(tok, expected[0]):
+            errors.put(f"rank {rank}: tokens {tok.tolist()} != {expected[0].tolist()}")
+        elif not torch.allclose(lp, expected[1], rtol=0, atol=1e-5):
+            errors.put(f"rank {rank}: log-probs {lp.tolist()} != {expected[1].tolist()}")
+    except Exception:  # noqa: BLE001
+        import traceback
+
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not _INTERP, reason="CPU tensors through the kernels: the interpreter")
+def test_sample_fused_vocab_parallel_equals_one_rank():
+    """Two gloo ranks, each with half of a 203-column vocabulary (the second half zero-padded to 104
+    columns): the same tokens as one call over all columns (the noise follows the vocabulary column);
+    log-probs to the order of the sum's adds."""
+    from _dist import spawn
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 203, generator=g) * 3
+    inv = torch.tensor([1.0, 1 / 0.7, 1.0, 2.0, 1.0])
+    keys = torch.tensor([-1, 11, 2**50, 3, -1], dtype=torch.int64)
+    draws = torch.tensor([0, 4, 1, 0, 0], dtype=torch.int32)
+    expected = sample_fused(logits, inv, keys, draws, splits=3, block=32)
+    spawn(_vocab_parallel_worker, 2, logits, inv, keys, draws, expected)
 
 
 def _engine(sampler, **kw):
