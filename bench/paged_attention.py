@@ -145,6 +145,20 @@ def _check(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
         raise RuntimeError(f"paged_attention: {name} differs from dense SDPA by {err:.3g}")
 
 
+def _timed_config(ctx: Ctx, name: str, fn, expected: torch.Tensor, case: dict, flush, *, warmup: int,
+                  repeats: int) -> list[float] | None:
+    """One sweep point: check fn() against the SDPA output, time it cold and record the row; a config
+    that fails (to compile: shared memory, or the check) becomes a not_run row, not a lost sweep."""
+    try:
+        _check(name, fn(), expected)
+        times = cold_times(ctx, fn, warmup=warmup, repeats=repeats, flush=flush)
+    except Exception as e:  # noqa: BLE001
+        ctx.rec.not_run("paged_attention", "hybridengine", MODEL, f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
+        return None
+    ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
+    return times
+
+
 def paged_attention(ctx: Ctx) -> None:
     from hybridengine import attention
 
@@ -254,14 +268,10 @@ def paged_attention_sweep(ctx: Ctx) -> None:
                         return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
                                                                        num_splits=splits, max_context_len=context,
                                                                        config=config)
-                    try:
-                        _check(f"sweep {config} dot={dot}", fn(), expected)
-                        times = cold_times(ctx, fn, warmup=3, repeats=20, flush=flush)
-                    except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory) is a row
-                        ctx.rec.not_run("paged_attention", "hybridengine", MODEL,
-                                        f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
+                    times = _timed_config(ctx, f"sweep {config} dot={dot}", fn, expected, case, flush,
+                                          warmup=3, repeats=20)
+                    if times is None:
                         continue
-                    ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
                     median = quantiles(times)[1]
                     if dot not in best or median < best[dot][0]:
                         best[dot] = (median, config, parts)
@@ -314,14 +324,10 @@ def paged_attention_splits(ctx: Ctx) -> None:
                     return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
                                                                    num_splits=splits, max_context_len=context,
                                                                    config=config)
-                try:
-                    _check(f"splits {splits} {config}", fn(), expected)
-                    times = cold_times(ctx, fn, warmup=5, repeats=30, flush=flush)
-                except Exception as e:  # noqa: BLE001 - a failing config is a row, not a lost sweep
-                    ctx.rec.not_run("paged_attention", "hybridengine", MODEL,
-                                    f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
+                times = _timed_config(ctx, f"splits {splits} {config}", fn, expected, case, flush,
+                                      warmup=5, repeats=30)
+                if times is None:
                     continue
-                ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
                 median = quantiles(times)[1]
                 best = min(best, (median, f"{parts} partitions of {size}, {config}"), key=lambda x: x[0])
         ctx.log(f"paged_attention splits B={batch} ctx={context}: sdpa {sdpa_s * 1e6:.1f} us; best "

@@ -189,10 +189,8 @@ def parallelize(model: CausalLM, *, vocab_size: int, tp_rank: int, tp_size: int,
     embed.forward = vocab_parallel_embedding
     local_logits = model.compute_logits
 
-    def gathered_logits(hidden: torch.Tensor) -> torch.Tensor:
-        return gather_vocab(local_logits(hidden), group=group, tp_size=tp_size, vocab_size=vocab_size)
-
-    model.compute_logits = gathered_logits
-    model.vocab_shard = VocabShard(first=first, rows=rows, valid=max(0, min(rows, vocab_size - first)),
-                                   vocab_size=vocab_size, group=group, tp_size=tp_size, local_logits=local_logits)
+    shard = VocabShard(first=first, rows=rows, valid=max(0, min(rows, vocab_size - first)), vocab_size=vocab_size,
+                       group=group, tp_size=tp_size, local_logits=local_logits)
+    model.compute_logits = lambda hidden: shard.gather(local_logits(hidden))
+    model.vocab_shard = shard
     return model
