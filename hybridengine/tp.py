@@ -86,7 +86,7 @@ class SymmAllReduce:
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """all_reduce(x @ weight.T) for a row-parallel linear without bias."""
         shape = (*x.shape[:-1], weight.shape[0])
-        if not self.fits(math.prod(shape)) or x.dtype != weight.dtype:
+        if not self.fits(math.prod(shape)) or x.dtype != self.buffers[0].dtype:
             out = F.linear(x, weight)
             dist.all_reduce(out, group=self.group)
             return out
