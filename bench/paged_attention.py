@@ -46,21 +46,22 @@ CASES_CPU = ((2, 48),)
 FLUSH_BYTES = 512 * MiB
 
 
-def kv_bytes(batch: int, context: int) -> int:
-    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+def kv_bytes(batch: int, context: int, kv_heads: int = NUM_KV_HEADS) -> int:
+    return 2 * batch * context * kv_heads * HEAD_DIM * 2
 
 
 def paged_cache(batch: int, context: int, device: torch.device, dense_k: torch.Tensor, dense_v: torch.Tensor):
     """The dense K/V [B, kv_heads, context, D] scattered into shuffled blocks of BLOCK_SIZE tokens."""
+    kv_heads = dense_k.shape[1]
     per_seq = math.ceil(context / BLOCK_SIZE)
     num_blocks = batch * per_seq
     tables = torch.randperm(num_blocks, device=device).view(batch, per_seq).to(torch.int32)
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM)
     k_cache = torch.zeros(shape, dtype=dense_k.dtype, device=device)
     v_cache = torch.zeros(shape, dtype=dense_k.dtype, device=device)
     pad = per_seq * BLOCK_SIZE - context
     for dense, cache in ((dense_k, k_cache), (dense_v, v_cache)):
-        blocks = F.pad(dense, (0, 0, 0, pad)).transpose(1, 2).reshape(batch, per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        blocks = F.pad(dense, (0, 0, 0, pad)).transpose(1, 2).reshape(batch, per_seq, BLOCK_SIZE, kv_heads, HEAD_DIM)
         cache[tables.long()] = blocks
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     return k_cache, v_cache, tables, lens
@@ -99,11 +100,12 @@ def flex_paged(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, *,
     return eager
 
 
-def decode_inputs(ctx: Ctx, batch: int, context: int, g: torch.Generator) -> tuple:
+def decode_inputs(ctx: Ctx, batch: int, context: int, g: torch.Generator, heads: tuple[int, int] | None = None) -> tuple:
     """q, dense K/V and the same K/V in a shuffled paged cache: (q, dense_k, dense_v, k_cache, v_cache,
-    block_tables, context_lens), one Qwen2-7B layer's heads in bf16."""
-    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
-    dense_k, dense_v = (torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=torch.bfloat16,
+    block_tables, context_lens), one layer's heads in bf16: (q_heads, kv_heads), Qwen2-7B's by default."""
+    q_heads, kv_heads = heads or (NUM_Q_HEADS, NUM_KV_HEADS)
+    q = torch.randn(batch, q_heads, HEAD_DIM, dtype=torch.bfloat16, device=ctx.device, generator=g)
+    dense_k, dense_v = (torch.randn(batch, kv_heads, context, HEAD_DIM, dtype=torch.bfloat16,
                                     device=ctx.device, generator=g) for _ in range(2))
     return (q, dense_k, dense_v, *paged_cache(batch, context, ctx.device, dense_k, dense_v))
 
@@ -334,4 +336,75 @@ def paged_attention_splits(ctx: Ctx) -> None:
                 f"{best[0] * 1e6:.1f} us ({nbytes / best[0] / 1e9:,.0f} GB/s, {sdpa_s / best[0]:.2f}x sdpa) "
                 f"with {best[1]}")
         del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected
+        release_memory()
+
+
+PREFETCH_CASES = (("qwen2-7b", (28, 4), 1, 16384), ("qwen2-7b", (28, 4), 1, 4096), ("qwen2-7b", (28, 4), 16, 4096),
+                  ("qwen2-7b", (28, 4), 128, 256), ("qwen2-7b", (28, 4), 128, 1024),
+                  ("qwen2.5-1.5b", (12, 2), 128, 256), ("qwen2.5-1.5b", (12, 2), 128, 512),
+                  ("qwen2.5-1.5b", (12, 2), 64, 512))
+"""(model, (q_heads, kv_heads), B, context): the split-K cases of the issue's goal and the decode shapes of
+both generate models (GRPO contexts 128 .. 640 at decode batch sizes)."""
+PREFETCH_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=1, PREFETCH=True)
+                    for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))]
+"""Register prefetch at several tiles; num_stages=1: the loop is not software-pipelined by Triton anyway."""
+
+
+def paged_attention_prefetch(ctx: Ctx) -> None:
+    """The decode kernel's register prefetch (config PREFETCH) against the default launch, the split counts
+    around the automatic plan, dense SDPA and a cold read of the same bytes (provider `hbm_read`: one
+    `torch.sum` over a contiguous buffer of the case's K/V bytes, the floor for a kernel that reads them
+    once). Rows carry case sweep="prefetch" and the model whose heads they use. GPU only."""
+    from hybridengine import attention
+
+    if not ctx.cuda:
+        ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "prefetch sweep: GPU only", sweep="prefetch")
+        return
+    flush = _flush_buffer(ctx)
+    scale = HEAD_DIM**-0.5
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    sms = attention.num_sms(ctx.device)
+    for model, heads, batch, context in PREFETCH_CASES:
+        nbytes = kv_bytes(batch, context, heads[1])
+        q, dense_k, dense_v, k_cache, v_cache, tables, lens = decode_inputs(ctx, batch, context, g, heads)
+        expected = dense_sdpa(q, dense_k, dense_v)
+        base = dict(batch=batch, context=context, q_heads=heads[0], kv_heads=heads[1], head_dim=HEAD_DIM,
+                    dtype="bf16", kv_bytes=nbytes, block_size=BLOCK_SIZE, flush="read", sweep="prefetch")
+        flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=ctx.device).normal_()
+        peers = {"sdpa_dense": lambda: dense_sdpa(q, dense_k, dense_v), "hbm_read": lambda: flat.sum(dtype=torch.float32)}
+        summary = {}
+        for provider, fn in peers.items():
+            times = cold_times(ctx, fn, warmup=5, repeats=30, flush=flush)
+            ctx.rec.add("paged_attention", provider, model, base, "seconds", times)
+            summary[provider] = quantiles(times)[1]
+        auto = attention.decode_num_splits(batch, heads[1], context, sms)
+        split_counts = sorted({auto, max(1, auto // 2), auto * 2} if auto > 1 else {1, 2, 4})
+        best = (float("inf"), "")
+        for splits in split_counts:
+            configs = [None] + PREFETCH_CONFIGS
+            for config in configs:
+                block_n = (config or attention._decode_config(ctx.device, HEAD_DIM, splits > 1))["BLOCK_N"]
+                if splits > 1 and context // splits < block_n:
+                    continue
+                parts = attention.decode_partitions(context, splits, block_n)[0]
+                label = "default" if config is None else "prefetch"
+                case = dict(base, split=f"{splits}", num_partitions=parts, variant=label,
+                            **(config or attention._decode_config(ctx.device, HEAD_DIM, splits > 1)))
+
+                def fn(splits=splits, config=config):
+                    return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                                   num_splits=splits, max_context_len=context,
+                                                                   config=config)
+                times = _timed_config(ctx, f"prefetch {model} B={batch} {splits} {config}", fn, expected, case,
+                                      flush, warmup=3, repeats=20)
+                if times is None:
+                    continue
+                median = quantiles(times)[1]
+                if config is None and splits == auto:
+                    summary["auto"] = median
+                best = min(best, (median, f"{label} {parts} partitions {config or ''}"), key=lambda x: x[0])
+        ctx.log(f"paged_attention prefetch {model} B={batch} ctx={context}: read floor {summary['hbm_read'] * 1e6:.1f} us, "
+                f"sdpa {summary['sdpa_dense'] * 1e6:.1f}, auto {summary.get('auto', float('nan')) * 1e6:.1f}, best "
+                f"{best[0] * 1e6:.1f} us ({nbytes / best[0] / 1e9:,.0f} GB/s) with {best[1]}")
+        del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected, flat
         release_memory()

@@ -36,6 +36,7 @@ BENCHES = {
     "paged_attention": paged_attention.paged_attention,
     "paged_attention_sweep": paged_attention.paged_attention_sweep,
     "paged_attention_splits": paged_attention.paged_attention_splits,
+    "paged_attention_prefetch": paged_attention.paged_attention_prefetch,
     "ppo_loss": ppo_loss.ppo_loss,
     "train_step": train.train_step,
     "ppo_e2e": e2e.ppo_e2e,
@@ -59,6 +60,7 @@ SUITES: dict[str, list[str]] = {
     "paged_attention": ["hbm_copy", "paged_attention"],
     "paged_attention_sweep": ["hbm_copy", "paged_attention_sweep"],
     "paged_attention_splits": ["hbm_copy", "paged_attention_splits"],
+    "paged_attention_prefetch": ["hbm_copy", "paged_attention_prefetch"],
     "ppo_loss": ["gemm", "ppo_loss"],
     "train_step": ["gemm", "train_step"],
     # hybridengine's train step with both peers' in one run (one model per device call at 7B)

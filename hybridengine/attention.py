@@ -349,8 +349,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     `config` overrides the launch choices of `_decode_config` (BLOCK_N, num_warps, num_stages) and
     DOT_16BIT (default True for bf16/fp16: `tl.dot` on the 16-bit tiles; False: the previous fp32
-    upcast with TF32 dots; fp32 inputs: False only): the tuning sweep of bench/paged_attention.py
-    uses it."""
+    upcast with TF32 dots; fp32 inputs: False only) and PREFETCH (bool: load the next K/V tile into
+    registers before the current tile's math, see the kernel): the tuning sweep of
+    bench/paged_attention.py uses it."""
     import triton
 
     from hybridengine.kernels.paged_attention import paged_decode_kernel, paged_decode_reduce_kernel
@@ -372,11 +373,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
-    cfg = {"DOT_16BIT": q.dtype != torch.float32} | _decode_config(q.device, head_dim, num_splits > 1)
+    cfg = {"DOT_16BIT": q.dtype != torch.float32, "PREFETCH": False} | _decode_config(q.device, head_dim, num_splits > 1)
     unknown = set(config or {}) - set(cfg)
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")
     cfg.update(config or {})
+    if not isinstance(cfg["PREFETCH"], bool):
+        raise ValueError(f"config PREFETCH must be a bool, got {cfg['PREFETCH']!r}")
     if not isinstance(cfg["DOT_16BIT"], bool) or (cfg["DOT_16BIT"] and q.dtype == torch.float32):
         raise ValueError(f"config DOT_16BIT must be a bool, and False for float32 inputs, got "
                          f"{cfg['DOT_16BIT']!r} with {q.dtype} inputs")

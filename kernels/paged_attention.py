@@ -49,6 +49,26 @@ def _dot_16bit(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(k_base, v_base, bt_row, t0, start, hi, max_blocks, d, d_ok,
+             stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The K and V tiles of tokens t0 .. t0 + BLOCK_N - 1 ([BLOCK_N, BLOCK_D], zeros where masked) and the
+    tokens' visibility mask: each token's page comes from its own block-table entry; entries past the
+    context are never read."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    page_idx = t // PAGE_SIZE
+    t_ok = (t >= start) & (t < hi) & (page_idx < max_blocks)
+    page = tl.load(bt_row + page_idx, mask=t_ok, other=0).to(tl.int64)
+    slot = t % PAGE_SIZE
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + page[:, None] * stride_kc_block + slot[:, None] * stride_kc_slot + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_base + page[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot + d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v, t_ok
+
+
+@triton.jit
 def paged_decode_kernel(
     Q, K_cache, V_cache, Block_tables, Context_lens,
     Out, Acc_part, M_part, L_part,
@@ -59,7 +79,7 @@ def paged_decode_kernel(
     scale_log2, window, max_blocks, partition_size, num_partitions,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr,
+    DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -91,18 +111,27 @@ def paged_decode_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = Block_tables + seq * stride_bt_b
+    k_base = K_cache + kv_head * stride_kc_head
+    v_base = V_cache + kv_head * stride_vc_head
+    if PREFETCH:
+        # Register double buffering: the K/V tile of the next iteration is loaded before this one's math,
+        # so its memory latency hides behind the dots and the softmax (Triton's software pipeliner does
+        # not pipeline this loop: the page-table gather feeds the addresses). Past `hi` the loads are
+        # masked off and read nothing.
+        k_nxt, v_nxt, ok_nxt = _kv_tile(k_base, v_base, bt_row, lo, start, hi, max_blocks, d, d_ok,
+                                        stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+                                        PAGE_SIZE, BLOCK_N)
     for t0 in range(lo, hi, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        page_idx = t // PAGE_SIZE
-        t_ok = (t >= start) & (t < hi) & (page_idx < max_blocks)  # entries past the context are never read
-        page = tl.load(bt_row + page_idx, mask=t_ok, other=0).to(tl.int64)
-        slot = t % PAGE_SIZE
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_cache + page[:, None] * stride_kc_block + slot[:, None] * stride_kc_slot
-                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)
-        v_ptrs = V_cache + page[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
-        if DOT_16BIT:  # V's read issued with K's, before the QK dot and the softmax: both in flight together
-            v = tl.load(v_ptrs + d[None, :], mask=kv_mask, other=0.0)
+        if PREFETCH:
+            k, v, t_ok = k_nxt, v_nxt, ok_nxt
+            k_nxt, v_nxt, ok_nxt = _kv_tile(k_base, v_base, bt_row, t0 + BLOCK_N, start, hi, max_blocks, d, d_ok,
+                                            stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+                                            PAGE_SIZE, BLOCK_N)
+        else:
+            k, v, t_ok = _kv_tile(k_base, v_base, bt_row, t0, start, hi, max_blocks, d, d_ok,
+                                  stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+                                  PAGE_SIZE, BLOCK_N)
+        if DOT_16BIT:
             s = _dot_16bit(q, tl.trans(k), None, UPCAST_BF16_DOT)
         else:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
@@ -117,9 +146,8 @@ def paged_decode_kernel(
             p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)  # p - p_hi is exact (see the module docstring)
             acc = _dot_16bit(p_hi, v, acc * alpha[:, None], UPCAST_BF16_DOT)
             acc = _dot_16bit(p_lo, v, acc, UPCAST_BF16_DOT)
-        else:  # the previous kernel as it was: V read after the softmax (hoisted, two fp32 tiles would be live)
-            v = tl.load(v_ptrs + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]

@@ -257,6 +257,21 @@ def test_paged_decode_matches_reference(device, num_q_heads, num_kv_heads, head_
 
 @pytest.mark.parametrize("dot_16bit", DOT_PATHS)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split"])
+@pytest.mark.parametrize("block_n,window", [(32, None), (16, 5), (64, 40)])
+def test_paged_decode_prefetch_is_bitwise_the_same(device, block_n, window, num_splits, dot_16bit):
+    # PREFETCH only moves each K/V tile's load one iteration earlier: the same tiles meet the same math in
+    # the same order, so the outputs are equal bit for bit (odd lengths: partial pages and tiles, a length
+    # 1 row, and a tile past the partition's end that the prefetch must mask off).
+    inputs = decode_inputs(8, 2, 64, 16, [1, 9, 77, 33], torch.bfloat16, device)
+    kw = dict(sliding_window=window, num_splits=num_splits)
+    cfg = dict(DOT_16BIT=dot_16bit, BLOCK_N=block_n)
+    plain = check_decode(*inputs, **kw, config=cfg | dict(PREFETCH=False))
+    fetched = check_decode(*inputs, **kw, config=cfg | dict(PREFETCH=True))
+    assert torch.equal(plain, fetched)
+
+
+@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split"])
 @pytest.mark.parametrize("window", [1, 5, 40])
 def test_paged_decode_sliding_window(device, window, num_splits, dot_16bit):
     inputs = decode_inputs(8, 2, 64, 16, [1, 9, 77], torch.bfloat16, device)
@@ -409,7 +424,8 @@ def _decode_args(device):
     (lambda a: a.update(max_context_len=10**6), r"max_context_len must be an int in \[1, 48\]"),
     (lambda a: a.update(out=a["q"].float()), "out must be torch.bfloat16"),
     (lambda a: a.update(config=dict(BLOCK_M=16)),
-     r"config keys must be among \['BLOCK_N', 'DOT_16BIT', 'num_stages', 'num_warps'\]"),
+     r"config keys must be among \['BLOCK_N', 'DOT_16BIT', 'PREFETCH', 'num_stages', 'num_warps'\]"),
+    (lambda a: a.update(config=dict(PREFETCH=1)), "config PREFETCH must be a bool, got 1"),
     (lambda a: a.update(config=dict(DOT_16BIT=1)), "config DOT_16BIT must be a bool, .* got 1 with torch.bfloat16"),
     (lambda a: a.update(q=a["q"].float(), k_cache=a["k_cache"].float(), v_cache=a["v_cache"].float(),
                         config=dict(DOT_16BIT=True)), "False for float32 inputs, got True with torch.float32"),
