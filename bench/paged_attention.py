@@ -148,16 +148,16 @@ def _check(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def _timed_config(ctx: Ctx, name: str, fn, expected: torch.Tensor, case: dict, flush, *, warmup: int,
-                  repeats: int) -> list[float] | None:
+                  repeats: int, model: str = MODEL) -> list[float] | None:
     """One sweep point: check fn() against the SDPA output, time it cold and record the row; a config
     that fails (to compile: shared memory, or the check) becomes a not_run row, not a lost sweep."""
     try:
         _check(name, fn(), expected)
         times = cold_times(ctx, fn, warmup=warmup, repeats=repeats, flush=flush)
     except Exception as e:  # noqa: BLE001
-        ctx.rec.not_run("paged_attention", "hybridengine", MODEL, f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
+        ctx.rec.not_run("paged_attention", "hybridengine", model, f"failed: {type(e).__name__}: {str(e)[:200]}", **case)
         return None
-    ctx.rec.add("paged_attention", "hybridengine", MODEL, case, "seconds", times)
+    ctx.rec.add("paged_attention", "hybridengine", model, case, "seconds", times)
     return times
 
 
@@ -350,11 +350,30 @@ PREFETCH_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=1, PREFETCH=True)
 """Register prefetch at several tiles; num_stages=1: the loop is not software-pipelined by Triton anyway."""
 
 
+READ_CONFIGS = [dict(block=b, iters=i, num_warps=w) for b, i, w in ((4096, 1, 4), (4096, 4, 8), (8192, 2, 8), (2048, 8, 4))]
+"""Launch shapes of the read-floor kernel (elements per load, loads per program, warps)."""
+
+
+def cold_read(flat: torch.Tensor, *, block: int, iters: int, num_warps: int) -> torch.Tensor:
+    """Reads every element of `flat` once (a Triton kernel: each program sums `iters` tiles of `block`
+    elements into one fp32); returns the per-program sums."""
+    import triton
+
+    from .read_kernel import read_sum_kernel
+
+    programs = triton.cdiv(flat.numel(), block * iters)
+    out = torch.empty(programs, dtype=torch.float32, device=flat.device)
+    read_sum_kernel[(programs,)](flat, out, flat.numel(), BLOCK=block, ITERS=iters, num_warps=num_warps)
+    return out
+
+
 def paged_attention_prefetch(ctx: Ctx) -> None:
     """The decode kernel's register prefetch (config PREFETCH) against the default launch, the split counts
     around the automatic plan, dense SDPA and a cold read of the same bytes (provider `hbm_read`: one
     `torch.sum` over a contiguous buffer of the case's K/V bytes, the floor for a kernel that reads them
-    once). Rows carry case sweep="prefetch" and the model whose heads they use. GPU only."""
+    once; it is not a floor: dense SDPA beats it at the 1.5B shapes) and `read_kernel` (a plain Triton
+    read of the same bytes, the fastest of READ_CONFIGS: the floor). Rows carry case sweep="prefetch" and
+    the model whose heads they use. GPU only."""
     from hybridengine import attention
 
     if not ctx.cuda:
@@ -377,6 +396,10 @@ def paged_attention_prefetch(ctx: Ctx) -> None:
             times = cold_times(ctx, fn, warmup=5, repeats=30, flush=flush)
             ctx.rec.add("paged_attention", provider, model, base, "seconds", times)
             summary[provider] = quantiles(times)[1]
+        for config in READ_CONFIGS:  # the read floor: the fastest of a few plain read kernels over the same bytes
+            times = cold_times(ctx, lambda config=config: cold_read(flat, **config), warmup=5, repeats=30, flush=flush)
+            ctx.rec.add("paged_attention", "read_kernel", model, dict(base, **config), "seconds", times)
+            summary["read_kernel"] = min(summary.get("read_kernel", float("inf")), quantiles(times)[1])
         auto = attention.decode_num_splits(batch, heads[1], context, sms)
         split_counts = sorted({auto, max(1, auto // 2), auto * 2} if auto > 1 else {1, 2, 4})
         best = (float("inf"), "")
@@ -396,14 +419,15 @@ def paged_attention_prefetch(ctx: Ctx) -> None:
                                                                    num_splits=splits, max_context_len=context,
                                                                    config=config)
                 times = _timed_config(ctx, f"prefetch {model} B={batch} {splits} {config}", fn, expected, case,
-                                      flush, warmup=3, repeats=20)
+                                      flush, warmup=3, repeats=20, model=model)
                 if times is None:
                     continue
                 median = quantiles(times)[1]
                 if config is None and splits == auto:
                     summary["auto"] = median
                 best = min(best, (median, f"{label} {parts} partitions {config or ''}"), key=lambda x: x[0])
-        ctx.log(f"paged_attention prefetch {model} B={batch} ctx={context}: read floor {summary['hbm_read'] * 1e6:.1f} us, "
+        ctx.log(f"paged_attention prefetch {model} B={batch} ctx={context}: read kernel {summary['read_kernel'] * 1e6:.1f} us, "
+                f"torch.sum {summary['hbm_read'] * 1e6:.1f}, "
                 f"sdpa {summary['sdpa_dense'] * 1e6:.1f}, auto {summary.get('auto', float('nan')) * 1e6:.1f}, best "
                 f"{best[0] * 1e6:.1f} us ({nbytes / best[0] / 1e9:,.0f} GB/s) with {best[1]}")
         del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected, flat

@@ -1,0 +1,135 @@
+"""Probe: the decode step's GEMMs (M = decode batch rows) with cuBLAS's default choice and with TunableOp.
+
+    python -m bench.probe_gemm [--out DIR]
+
+Each shape is one projection of Qwen2.5-1.5B or Qwen2-7B at tg = 1 ([M, K] @ [N, K]^T, bf16, the
+qkv projection with its bias as the model runs it). Weights as in a decode step: each of L distinct
+copies (L x weight bytes > 200 MB, so L2 holds none of them) is read once per pass, L back-to-back
+`F.linear`s captured in one CUDA graph, replayed; the time per GEMM is the replay time / L. GB/s counts
+the weight bytes (activations are < 5% of them at M <= 256); the floor column is those bytes at the
+`hbm_copy` bandwidth of the same run.
+
+Variants: "cublas" (torch's default heuristics) and "tunableop" (torch.cuda.tunable: every cuBLASLt
+algorithm for the shape timed once before the capture, the fastest kept). A variant that would need
+more than the capture's lookups (tuning inside a capture) is not run. Results print and go to
+$OUT/probe_gemm.json (median and p20/p80 per GEMM in us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, K, bias)
+    "qwen2.5-1.5b": {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "gate_up": (17920, 1536, False),
+                     "down": (1536, 8960, False), "lm_head": (151936, 1536, False)},
+    "qwen2-7b": {"qkv": (4608, 3584, True), "o": (3584, 3584, False), "gate_up": (37888, 3584, False),
+                 "down": (3584, 18944, False)},
+}
+ROWS = (64, 128, 256)
+
+
+def hbm_bandwidth() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def per_gemm_seconds(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None,
+                     replays: int = 20) -> list[float]:
+    outs = [None] * len(weights)
+
+    def chain():
+        for i, w in enumerate(weights):
+            outs[i] = F.linear(x, w, bias)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            chain()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    times = []
+    for i in range(replays + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3 / len(weights))
+    g.reset()
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = hbm_bandwidth()
+    print(f"hbm_copy {bw / 1e9:,.0f} GB/s ({torch.cuda.get_device_name()}, torch {torch.__version__})")
+    results = {"hbm_copy_GB_per_s": bw / 1e9, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "rows": []}
+    from torch.cuda import tunable
+    tunable.write_file_on_exit(False) if hasattr(tunable, "write_file_on_exit") else None
+    for variant in ("cublas", "tunableop"):
+        tunable.enable(variant == "tunableop")
+        tunable.tuning_enable(variant == "tunableop")
+        if variant == "tunableop":
+            tunable.set_max_tuning_iterations(30)
+            tunable.set_max_tuning_duration(30)
+        for model, shapes in SHAPES.items():
+            for name, (n, k, has_bias) in shapes.items():
+                wbytes = n * k * 2
+                copies = max(2, math.ceil(200e6 / wbytes))
+                weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+                bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
+                for m in ROWS:
+                    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                    try:
+                        if variant == "tunableop":
+                            F.linear(x, weights[0], bias)  # tunes this shape outside the capture
+                            torch.cuda.synchronize()
+                        times = per_gemm_seconds(x, weights, bias)
+                    except Exception as e:  # noqa: BLE001 - record why, keep the other shapes
+                        print(f"{variant} {model} {name} M={m}: failed {type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    q = statistics.quantiles(times, n=10)
+                    med = statistics.median(times)
+                    row = dict(variant=variant, model=model, gemm=name, m=m, n=n, k=k, weight_bytes=wbytes,
+                               us=med * 1e6, p20_us=q[1] * 1e6, p80_us=q[7] * 1e6, GB_per_s=wbytes / med / 1e9,
+                               floor_us=wbytes / bw * 1e6)
+                    results["rows"].append(row)
+                    print(f"{variant:9s} {model:12s} {name:7s} M={m:3d}: {med * 1e6:7.1f} us  "
+                          f"{wbytes / med / 1e9:6,.0f} GB/s  floor {wbytes / bw * 1e6:6.1f} us")
+                del weights, bias
+                torch.cuda.empty_cache()
+    if variant == "tunableop":
+        results["tunableop_results"] = {str(k): str(v) for k, v in (tunable.get_results() or {}).items()} \
+            if isinstance(tunable.get_results(), dict) else [list(map(str, r)) for r in tunable.get_results() or []]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "probe_gemm.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
