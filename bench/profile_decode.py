@@ -148,7 +148,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sync", action="store_true", help="async_scheduling off: each step waits for the last one's tokens")
     ap.add_argument("--kernel-configs", default=None,
                     help="instead of profiling, time the decode step with each paged-decode launch config, "
-                         "'BLOCK_N:warps:stages:dot16bit,...' (e.g. 128:4:3:1,64:4:2:0), one rollout each")
+                         "'BLOCK_N:warps:stages:dot16bit[:prefetch],...' (e.g. 32:4:4:1,64:8:1:1:1), one rollout each")
     ap.add_argument("--tg", type=int, default=1, help="TP degree of generation (under torchrun)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -228,9 +228,9 @@ def _time_kernel_configs(engine, ids, params, args) -> dict:
     results = []
     try:
         for spec in args.kernel_configs.split(","):
-            n, w, s, dot = (int(x) for x in spec.split(":"))
-            config = dict(BLOCK_N=n, num_warps=w, num_stages=s, DOT_16BIT=bool(dot))
-            attention._decode_config = lambda device, head_dim, split=False, config=config: dict(config)
+            n, w, s, dot, *prefetch = (int(x) for x in spec.split(":"))
+            config = dict(BLOCK_N=n, num_warps=w, num_stages=s, DOT_16BIT=bool(dot), PREFETCH=bool(prefetch and prefetch[0]))
+            attention._decode_config = lambda device, head_dim, split=False, programs=None, config=config: dict(config)
             with engine.rollout():
                 engine.generate(ids, params)  # warm-up and capture
                 steps = []

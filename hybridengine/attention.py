@@ -56,6 +56,14 @@ DECODE_SPLIT_BELOW = 0.5
 for the cache's capacity, so at decode batch sizes (B = 64, 2 kv heads: 128 programs) a split would
 mostly add empty partitions and the merge kernel."""
 
+DECODE_PREFETCH_PROGRAMS = 2
+"""A one-pass launch of at most this many programs per SM (B * num_kv_heads <= 2 x SMs: Qwen2.5-1.5B and
+Qwen2-7B at tg = 2 have 2 kv heads per rank, so B <= 132) takes 64-token tiles, 8 warps and the register
+prefetch (config PREFETCH) instead of Triton's 4-stage pipeline: with two or fewer programs per SM, each
+program's own latency hiding decides the time. Prefetch sweep on an H200 (bench.paged_attention
+_prefetch, cold L2, 2 kv heads): B = 64 at 512 tokens 20.7 us against 25.4, B = 128 at 256 17.6 against
+18.1, at 512 28.5 against 29.9; with 4 kv heads at B = 128 (512 programs) it loses (30.6 against 23.5)."""
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -308,7 +316,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     return max(1, min(want, math.ceil(max_context_len / DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
-def _decode_config(device: torch.device, head_dim: int, split: bool = False) -> dict:
+def _decode_config(device: torch.device, head_dim: int, split: bool = False, programs: int | None = None) -> dict:
     # Chosen on the real decode step (`python -m bench.profile_decode --kernel-configs`, H200, B = 128,
     # prompts 128 + 256 new tokens, async scheduling; bench/results/profiles/decode_kernel_configs_*):
     # 32-token tiles, 4 warps, 4 stages, 16-bit dots: 7B 5.78 ms/step (best of six; the previous
@@ -321,6 +329,8 @@ def _decode_config(device: torch.device, head_dim: int, split: bool = False) -> 
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
     if head_dim <= 128 and split:
         return dict(BLOCK_N=128, num_warps=4, num_stages=3)
+    if head_dim <= 128 and programs is not None and programs <= DECODE_PREFETCH_PROGRAMS * num_sms(device):
+        return dict(BLOCK_N=64, num_warps=8, num_stages=1, PREFETCH=True)
     if head_dim <= 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=4)
     return dict(BLOCK_N=32, num_warps=4, num_stages=2)
@@ -373,7 +383,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
-    cfg = {"DOT_16BIT": q.dtype != torch.float32, "PREFETCH": False} | _decode_config(q.device, head_dim, num_splits > 1)
+    cfg = {"DOT_16BIT": q.dtype != torch.float32, "PREFETCH": False} | _decode_config(
+        q.device, head_dim, num_splits > 1, programs=batch * num_kv_heads)
     unknown = set(config or {}) - set(cfg)
     if unknown:
         raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")

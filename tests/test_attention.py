@@ -366,6 +366,19 @@ def test_paged_decode_padding_rows_and_max_context_len(device):
     assert A.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=0.125, out=out) is out
 
 
+def test_decode_config_takes_the_prefetch_launch_for_few_programs(monkeypatch):
+    # On an H200 (132 SMs): a one-pass launch of <= 264 programs prefetches in registers with 64-token tiles
+    # and 8 warps; more programs, or a split launch, keep Triton's pipelined configs.
+    monkeypatch.setattr(A, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    few = A._decode_config(cuda, 128, programs=2 * 132)
+    assert few == dict(BLOCK_N=64, num_warps=8, num_stages=1, PREFETCH=True)
+    assert A._decode_config(cuda, 128, programs=2 * 132 + 1) == dict(BLOCK_N=32, num_warps=4, num_stages=4)
+    assert A._decode_config(cuda, 128, split=True, programs=4) == dict(BLOCK_N=128, num_warps=4, num_stages=3)
+    assert A._decode_config(cuda, 256, programs=4) == dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    assert A._decode_config(torch.device("cpu"), 128, programs=4) == dict(BLOCK_N=32, num_warps=4, num_stages=1)
+
+
 def test_paged_decode_config_override(device):
     """The tuning override (tile, warps, stages) changes the launch, not the result; partitions follow its tile."""
     inputs = decode_inputs(7, 1, 64, 16, [70, 33, 5], torch.bfloat16, device)

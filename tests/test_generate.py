@@ -427,9 +427,10 @@ def test_profile_decode_times_kernel_configs_on_cpu(tmp_path):
 
     original = attention._decode_config
     profile_decode.main(["--model", "tiny-qwen2", "--batch", "2", "--prompt", "5", "--new-tokens", "3",
-                         "--device", "cpu", "--kernel-configs", "32:4:2:1,64:4:2:0", "--out", str(tmp_path)])
+                         "--device", "cpu", "--kernel-configs", "32:4:2:1,64:8:1:0:1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "decode_kernel_configs.json").read_text())
     assert [r["config"]["BLOCK_N"] for r in result["kernel_configs"]] == [32, 64]
+    assert [r["config"]["PREFETCH"] for r in result["kernel_configs"]] == [False, True]
     assert all(r["step_ms"] > 0 for r in result["kernel_configs"])
     assert attention._decode_config is original
 
