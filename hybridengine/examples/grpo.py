@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             adv = [a * m for a, m in zip(grpo_advantages(torch.tensor(scores), group_size=args.n).tolist(), masks)]
         ref = None
         if reference is not None:
-            ref = unpad(reference.log_probs(batch, temperature=args.temperature), batch.lengths)
+            # on the CPU beside the batch's other per-token tensors (log_probs returns on the engine's device)
+            ref = unpad(reference.log_probs(batch, temperature=args.temperature).cpu(), batch.lengths)
         stats = engine.ppo_step(dataclasses.replace(batch, advantages=adv, ref_logprobs=ref), ppo)  # same buffer
         mean_reward = torch.tensor(scores).mean()
         if dist.is_initialized():
