@@ -1,4 +1,4 @@
-"""Probe: the decode step's GEMMs (M = decode batch rows): cuBLAS against the split-K Triton `decode_linear`.
+"""Probe: the decode step's GEMMs (M = decode batch rows) with cuBLAS's default choice and with TunableOp.
 
     python -m bench.probe_gemm [--out DIR]
 
@@ -9,12 +9,18 @@ copies (L x weight bytes > 200 MB, so L2 holds none of them) is read once per pa
 the weight bytes (activations are < 5% of them at M <= 256); the floor column is those bytes at the
 `hbm_copy` bandwidth of the same run.
 
-Variants: "cublas" (torch's default heuristics, `F.linear`), "triton" (`hybridengine.linear.
-decode_linear_triton` with its automatic plan) and "triton_sweep" (the same kernel over SWEEP configs; the
-best per shape is printed). The Triton output is checked against cuBLAS's (max |diff| relative to the
-output's scale). Run 1 (20261130, session 9 call 2) also timed "tunableop" (torch.cuda.tunable): on this
-torch build its only candidate was cuBLAS's default ("Default" for every shape), same times; dropped.
-Results print and go to $OUT/probe_gemm.json (median and p20/p80 per GEMM in us).
+Variants: "cublas" (torch's default heuristics) and "tunableop" (torch.cuda.tunable: every cuBLASLt
+algorithm for the shape timed once before the capture, the fastest kept). A variant that would need
+more than the capture's lookups (tuning inside a capture) is not run. Results print and go to
+$OUT/probe_gemm.json (median and p20/p80 per GEMM in us).
+
+Findings (session 9, H200; bench/results/profiles/probe_gemm_*_s9call*.json):
+- TunableOp's only candidate on this torch build is cuBLAS's default ("Default" for every shape): same times.
+- cuBLAS at M = 128 reads the 1.5B qkv / o weights at 0.8-1.0 TB/s, gate_up / down at 2.0-2.7 TB/s; a
+  1.5B decode step's GEMMs alone take 1.41 ms, 1.47x the whole step's weights + KV floor (0.96 ms).
+- A split-K Triton GEMM written for these shapes (one launch, the last split of a tile merging the fp32
+  partials; commit 9908d11, removed since) was slower than cuBLAS at every shape, 1.1-2.3x with its plan
+  and 1.05-1.6x at the best of 15 configs (probe_gemm_triton_s9call4.json).
 """
 
 from __future__ import annotations
@@ -34,15 +40,7 @@ SHAPES = {  # name: (N, K, bias)
                      "down": (1536, 8960, False), "lm_head": (151936, 1536, False)},
     "qwen2-7b": {"qkv": (4608, 3584, True), "o": (3584, 3584, False), "gate_up": (37888, 3584, False),
                  "down": (3584, 18944, False)},
-    # one rank's shards at tg = 2: column-parallel qkv / gate_up halve N, row-parallel o / down halve K
-    "qwen2.5-1.5b/tg2": {"qkv": (1024, 1536, True), "o": (1536, 768, False), "gate_up": (8960, 1536, False),
-                         "down": (1536, 4480, False)},
-    "qwen2-7b/tg2": {"qkv": (2304, 3584, True), "o": (3584, 1792, False), "gate_up": (18944, 3584, False),
-                     "down": (3584, 9472, False)},
 }
-SWEEP = [dict(SPLIT_K=s, BLOCK_N=n) for s in (1, 2, 4, 8) for n in (32, 64, 128)] + \
-        [dict(BLOCK_K=64, num_stages=6), dict(BLOCK_M=64), dict(num_warps=8)]
-"""Timed at M = 128 only; each overrides the automatic plan's keys (the last three: the plan with that change)."""
 ROWS = (64, 128, 256)
 
 
@@ -61,13 +59,13 @@ def hbm_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def per_gemm_seconds(fn, weights: list[torch.Tensor], replays: int = 20) -> list[float]:
-    """Seconds per GEMM: `fn(w)` for each of the distinct weights back to back in one CUDA graph."""
+def per_gemm_seconds(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None,
+                     replays: int = 20) -> list[float]:
     outs = [None] * len(weights)
 
     def chain():
         for i, w in enumerate(weights):
-            outs[i] = fn(w)
+            outs[i] = F.linear(x, w, bias)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -100,49 +98,43 @@ def main() -> None:
     print(f"hbm_copy {bw / 1e9:,.0f} GB/s ({torch.cuda.get_device_name()}, torch {torch.__version__})")
     results = {"hbm_copy_GB_per_s": bw / 1e9, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "rows": []}
-    from hybridengine.linear import decode_linear_plan, decode_linear_triton
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for model, shapes in SHAPES.items():
-        for name, (n, k, has_bias) in shapes.items():
-            wbytes = n * k * 2
-            copies = max(2, math.ceil(200e6 / wbytes))
-            weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
-            bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
-            for m in ROWS:
-                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-                expected = F.linear(x, weights[0], bias).float()
-                scale = expected.abs().max().item()
-                plan = decode_linear_plan(m, n, k, sms)
-                variants = [("cublas", None, lambda w: F.linear(x, w, bias)),
-                            ("triton", plan, lambda w: decode_linear_triton(x, w, bias))]
-                if name != "lm_head" and m == 128:
-                    variants += [("triton_sweep", c, lambda w, c=c: decode_linear_triton(x, w, bias, config=c))
-                                 for c in SWEEP]
-                best = {}
-                for variant, config, fn in variants:
+    from torch.cuda import tunable
+    tunable.write_file_on_exit(False) if hasattr(tunable, "write_file_on_exit") else None
+    for variant in ("cublas", "tunableop"):
+        tunable.enable(variant == "tunableop")
+        tunable.tuning_enable(variant == "tunableop")
+        if variant == "tunableop":
+            tunable.set_max_tuning_iterations(30)
+            tunable.set_max_tuning_duration(30)
+        for model, shapes in SHAPES.items():
+            for name, (n, k, has_bias) in shapes.items():
+                wbytes = n * k * 2
+                copies = max(2, math.ceil(200e6 / wbytes))
+                weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+                bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else None
+                for m in ROWS:
+                    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
                     try:
-                        diff = (fn(weights[0]).float() - expected).abs().max().item() / scale
-                        if diff > 2**-6:
-                            raise RuntimeError(f"differs from cuBLAS by {diff:.3g} of the output's scale")
-                        times = per_gemm_seconds(fn, weights)
+                        if variant == "tunableop":
+                            F.linear(x, weights[0], bias)  # tunes this shape outside the capture
+                            torch.cuda.synchronize()
+                        times = per_gemm_seconds(x, weights, bias)
                     except Exception as e:  # noqa: BLE001 - record why, keep the other shapes
-                        print(f"{variant} {model} {name} M={m} {config}: failed {type(e).__name__}: {str(e)[:200]}")
+                        print(f"{variant} {model} {name} M={m}: failed {type(e).__name__}: {str(e)[:200]}")
                         continue
                     q = statistics.quantiles(times, n=10)
                     med = statistics.median(times)
-                    row = dict(variant=variant, config=config, model=model, gemm=name, m=m, n=n, k=k,
-                               weight_bytes=wbytes, us=med * 1e6, p20_us=q[1] * 1e6, p80_us=q[7] * 1e6,
-                               GB_per_s=wbytes / med / 1e9, floor_us=wbytes / bw * 1e6, rel_diff=diff)
+                    row = dict(variant=variant, model=model, gemm=name, m=m, n=n, k=k, weight_bytes=wbytes,
+                               us=med * 1e6, p20_us=q[1] * 1e6, p80_us=q[7] * 1e6, GB_per_s=wbytes / med / 1e9,
+                               floor_us=wbytes / bw * 1e6)
                     results["rows"].append(row)
-                    kind = "sweep" if variant == "triton_sweep" else variant
-                    if kind not in best or med < best[kind][0]:
-                        best[kind] = (med, config)
-                line = "  ".join(f"{kind} {t * 1e6:6.1f}" for kind, (t, _) in best.items())
-                print(f"{model:16s} {name:7s} M={m:3d} floor {wbytes / bw * 1e6:6.1f} us | {line} | "
-                      f"best sweep {best.get('sweep', (0, None))[1]}")
-            del weights, bias
-            torch.cuda.empty_cache()
+                    print(f"{variant:9s} {model:12s} {name:7s} M={m:3d}: {med * 1e6:7.1f} us  "
+                          f"{wbytes / med / 1e9:6,.0f} GB/s  floor {wbytes / bw * 1e6:6.1f} us")
+                del weights, bias
+                torch.cuda.empty_cache()
+    if variant == "tunableop":
+        results["tunableop_results"] = {str(k): str(v) for k, v in (tunable.get_results() or {}).items()} \
+            if isinstance(tunable.get_results(), dict) else [list(map(str, r)) for r in tunable.get_results() or []]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probe_gemm.json").write_text(json.dumps(results, indent=1))
 

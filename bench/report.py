@@ -714,7 +714,44 @@ def paged_attention_section(rows: list[dict]) -> str:
             "FlexAttention paged (128-token pages), three shapes only. Speed vs SDPA = SDPA time / hybridengine time; "
             "of HBM copy = hybridengine GB/s / the run's hbm_copy GB/s.\n\n"
             + table(["batch", "context", "KV", "hybridengine us (splits)", "GB/s", "one_pass us", "GB/s", "sdpa_dense us",
-                     "GB/s", "flex_attention us", "GB/s", "speed vs sdpa_dense", "of HBM copy"], body) + str(notes))
+                     "GB/s", "flex_attention us", "GB/s", "speed vs sdpa_dense", "of HBM copy"], body) + str(notes)
+            + _paged_read_floor_table(rows))
+
+
+def _paged_read_floor_table(rows: list[dict]) -> str:
+    """The prefetch sweep's cases (case sweep="prefetch", latest such run): the read floor of the same bytes
+    beside dense SDPA and the kernel's default and best launch."""
+    sweep = [r for r in rows if r["bench"] == "paged_attention" and r["metric"] == "seconds"
+             and r["case"].get("sweep") == "prefetch"]
+    if not sweep:
+        return ""
+    run = max(r["run_id"] for r in sweep)
+    sweep = [r for r in sweep if r["run_id"] == run]
+    body = []
+    for model, batch, context in sorted({(r["model"], r["case"]["batch"], r["case"]["context"]) for r in sweep},
+                                        key=lambda k: (k[0], k[1], k[2])):
+        case = [r for r in sweep if (r["model"], r["case"]["batch"], r["case"]["context"]) == (model, batch, context)]
+        floor = min((r["value"] for r in case if r["provider"] == "read_kernel"), default=None)
+        sdpa = next((r["value"] for r in case if r["provider"] == "sdpa_dense"), None)
+        ours = [r for r in case if r["provider"] == "hybridengine"]
+        auto = min((r["value"] for r in ours if r["case"].get("variant") == "default"
+                    and r["case"].get("num_partitions") == min(x["case"]["num_partitions"] for x in ours
+                                                              if x["case"].get("variant") == "default")), default=None)
+        best = min(ours, key=lambda r: r["value"], default=None)
+        us = lambda x: sig(x and x * 1e6)  # noqa: E731
+        best_cfg = (best and f"{best['case'].get('variant')}, {best['case'].get('num_partitions')} part., "
+                    f"{best['case'].get('BLOCK_N')}x{best['case'].get('num_warps')}w") or "–"
+        body.append([model, str(batch), fmt(context), size(case[0]["case"].get("kv_bytes", 0)), us(floor), us(sdpa),
+                     us(best and best["value"]), best_cfg, ratio(floor, best and best["value"]), ratio(floor, sdpa),
+                     "yes" if floor and sdpa and sdpa / 2 >= floor else "no"])
+    return ("\n\n### Read floor of the same bytes (prefetch sweep, run " + run + ")\n\n"
+            "read floor: the fastest of four plain Triton kernels reading the case's K/V bytes once, contiguous, cold "
+            "L2 (`bench.paged_attention.cold_read`); hybridengine best: the best of the split counts around the "
+            "automatic plan x the default launch and five register-prefetch launches. \"of floor\": floor time / "
+            "kernel time (1 = at the floor). \"2x SDPA reachable\": whether half of SDPA's time is at or above the "
+            "read floor, i.e. whether any kernel that reads these bytes could be 2x SDPA.\n\n"
+            + table(["model heads", "batch", "context", "KV", "read floor us", "sdpa_dense us", "hybridengine best us",
+                     "best launch", "hybridengine of floor", "sdpa of floor", "2x SDPA reachable"], body))
 
 
 PPO_PROVIDERS = ("hybridengine", "torch_ref", "torch_chunked", "liger")
