@@ -57,12 +57,14 @@ for the cache's capacity, so at decode batch sizes (B = 64, 2 kv heads: 128 prog
 mostly add empty partitions and the merge kernel."""
 
 DECODE_PREFETCH_PROGRAMS = 2
-"""A one-pass launch of at most this many programs per SM (B * num_kv_heads <= 2 x SMs: Qwen2.5-1.5B and
-Qwen2-7B at tg = 2 have 2 kv heads per rank, so B <= 132) takes 64-token tiles, 8 warps and the register
-prefetch (config PREFETCH) instead of Triton's 4-stage pipeline: with two or fewer programs per SM, each
-program's own latency hiding decides the time. Prefetch sweep on an H200 (bench.paged_attention
-_prefetch, cold L2, 2 kv heads): B = 64 at 512 tokens 20.7 us against 25.4, B = 128 at 256 17.6 against
-18.1, at 512 28.5 against 29.9; with 4 kv heads at B = 128 (512 programs) it loses (30.6 against 23.5)."""
+"""A one-pass launch of at most this many programs per SM (B * num_kv_heads <= 2 x SMs: Qwen2.5-1.5B, and
+Qwen2-7B at tg = 2, have 2 kv heads per rank, so B <= 132 on an H200) takes 64-token tiles, 8 warps and the
+register prefetch (config PREFETCH) instead of 32-token tiles in Triton's 4-stage pipeline. Kernel sweep
+(`--suite paged_attention_prefetch`, H200, cold L2, 2 kv heads, run 20261130T231453Z-2d02): B = 64 at 512
+tokens 20.7 us against 25.4, B = 128 at 256 17.6 against 18.1, at 512 28.5 against 29.9; with 4 kv heads
+at B = 128 (512 programs) it loses (30.6 against 23.5). On the real decode step (`profile_decode
+--kernel-configs`, bench/results/profiles/decode_kernel_configs_*_prefetch_s9call3.json): 1.5B at 64
+sequences 1.986 ms against 2.026; 1.5B at 128, 7B at 64, and 7B tg = 2 at 128 within 0.3%."""
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

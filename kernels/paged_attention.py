@@ -29,6 +29,11 @@ TF32 dots (`DOT_PRECISION="tf32"`; bf16/fp16 values are exact in TF32, P is roun
 inputs always take that path, with "ieee". Softmax is online, in base 2 with the scale folded into
 log2(e).
 
+`PREFETCH`: each K/V tile is loaded one loop iteration ahead into registers (`_kv_tile`), the same tiles
+meeting the same math in the same order (outputs bit-identical to the plain loop). Triton 3.6 already
+software-pipelines the plain loop on Hopper (cp.async, `num_stages`); the prefetch helps only launches of
+few programs per SM, with 8 warps (`DECODE_PREFETCH_PROGRAMS`).
+
 The launcher, its checks and the reference are in `hybridengine.attention`.
 """
 
@@ -115,9 +120,9 @@ def paged_decode_kernel(
     v_base = V_cache + kv_head * stride_vc_head
     if PREFETCH:
         # Register double buffering: the K/V tile of the next iteration is loaded before this one's math,
-        # so its memory latency hides behind the dots and the softmax (Triton's software pipeliner does
-        # not pipeline this loop: the page-table gather feeds the addresses). Past `hi` the loads are
-        # masked off and read nothing.
+        # so its memory latency hides behind the dots and the softmax, without the shared-memory stages
+        # of Triton's pipeline (launched with num_stages=1). Past `hi` the loads are masked off and read
+        # nothing.
         k_nxt, v_nxt, ok_nxt = _kv_tile(k_base, v_base, bt_row, lo, start, hi, max_blocks, d, d_ok,
                                         stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
                                         PAGE_SIZE, BLOCK_N)
