@@ -3,7 +3,18 @@
 import os
 import tempfile
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def finish(ok: bool) -> None:
+    """End a worker's process group. After a rank's last collective its peer may still be sending its part
+    of it; a rank that closed its gloo sockets then makes the peer's send fail in gloo's own thread, which
+    aborts the process (SIGABRT, seen in CI). A rank that succeeded meets the others in a barrier first; a
+    rank that failed skips it, so its peers' barrier fails fast (closed sockets) instead of waiting."""
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def spawn(fn, world: int, *args) -> None:

@@ -98,6 +98,8 @@ def main():
     if rank == 0:
         print(f"dist_generate: vocab-parallel fused sampler == gathered torch sampler (greedy, tg={world}): passed",
               flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()  # no rank tears down NCCL while its peer still runs the last collective
     dist.destroy_process_group()
 
 
