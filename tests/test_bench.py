@@ -279,6 +279,7 @@ def _profile_switch_rank(rank, world, store, out, errors):
     import traceback
 
     import torch.distributed as dist
+    from _dist import finish
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
@@ -293,7 +294,7 @@ def _profile_switch_rank(rank, world, store, out, errors):
     except Exception:  # noqa: BLE001 - reported to the parent with the rank
         errors.put(f"rank {rank}: {traceback.format_exc()}")
     finally:
-        dist.destroy_process_group()
+        finish(False)  # _dist.finish: ends the spawned process too
 
 
 def test_profile_switch_runs_on_cpu(tmp_path):

@@ -11,7 +11,7 @@ import hybridengine as he
 from hybridengine import checkpoint
 from hybridengine.checkpoint import full_state_dict
 
-from _dist import spawn
+from _dist import finish, spawn
 
 
 def build(name="tiny-qwen2", **overrides):
@@ -135,7 +135,7 @@ def _save_at(rank, world, init_file, tp, path, errors):
 
         errors.put(f"save rank {rank}: {traceback.format_exc()}")
     finally:
-        dist.destroy_process_group()
+        finish(False)  # _dist.finish: ends the spawned process too
 
 
 def _check_load(engine, expected):
@@ -158,7 +158,7 @@ def _load_at(rank, world, init_file, tp, path, errors):
 
         errors.put(f"load rank {rank} (N={world}, tg={tp}): {traceback.format_exc()}")
     finally:
-        dist.destroy_process_group()
+        finish(False)  # _dist.finish: ends the spawned process too
 
 
 def test_checkpoint_from_two_ranks_loads_at_one_and_four(tmp_path):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hybridengine import ops
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _dist import spawn  # noqa: E402
+from _dist import finish, spawn  # noqa: E402
 from _models import MODELS, model_specs, reference_tp_slice  # noqa: E402
 
 pytestmark = pytest.mark.skipif(ops.EXTENSION_ERROR is not None, reason="hybridengine._C is not built")
@@ -158,7 +158,7 @@ def _check_world(rank, world_size, init_file, model, dtype, *rest):
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        finish(False)  # _dist.finish: ends the spawned process too
 
 
 def _mismatch(rank, world_size, init_file, errors):
@@ -173,7 +173,7 @@ def _mismatch(rank, world_size, init_file, errors):
         if "ranks [1] lay out a different model" not in str(e):
             errors.put(f"rank {rank}: wrong error {e}")
     finally:
-        dist.destroy_process_group()
+        finish(False)  # _dist.finish: ends the spawned process too
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
-from _dist import spawn
+from _dist import finish, spawn
 from _models import reference_tp_slice
 
 # hybridengine.ppo_loss the attribute is the function; the module holds the reference.
@@ -265,7 +265,7 @@ def _worker(rank, world, init_file, tp, overrides, batches, ref_losses, ref_weig
 
         errors.put(f"rank {rank} (N={world}, tg={tp}): {traceback.format_exc()}")
     finally:
-        dist.destroy_process_group()
+        finish(False)  # _dist.finish: ends the spawned process too
 
 
 @pytest.mark.parametrize("world,tp,checkpointing", [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True),
