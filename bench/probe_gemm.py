@@ -17,7 +17,8 @@ $OUT/probe_gemm.json (median and p20/p80 per GEMM in us).
 Findings (session 9, H200; bench/results/profiles/probe_gemm_*_s9call*.json):
 - TunableOp's only candidate on this torch build is cuBLAS's default ("Default" for every shape): same times.
 - cuBLAS at M = 128 reads the 1.5B qkv / o weights at 0.8-1.0 TB/s, gate_up / down at 2.0-2.7 TB/s; a
-  1.5B decode step's GEMMs alone take 1.41 ms, 1.47x the whole step's weights + KV floor (0.96 ms).
+  1.5B decode step's GEMMs alone take 1.41 ms (its weights at HBM bandwidth: 0.75 ms); with its KV read at
+  HBM bandwidth (GRPO case, 128 sequences at mean context 384: 0.33 ms) that is 1.6x the step's floor (1.09 ms).
 - A split-K Triton GEMM written for these shapes (one launch, the last split of a tile merging the fp32
   partials; commit 9908d11, removed since) was slower than cuBLAS at every shape, 1.1-2.3x with its plan
   and 1.05-1.6x at the best of 15 configs (probe_gemm_triton_s9call4.json).
