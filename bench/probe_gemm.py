@@ -9,10 +9,13 @@ copies (L x weight bytes > 200 MB, so L2 holds none of them) is read once per pa
 the weight bytes (activations are < 5% of them at M <= 256); the floor column is those bytes at the
 `hbm_copy` bandwidth of the same run.
 
-Variants: "cublas" (torch's default heuristics) and "tunableop" (torch.cuda.tunable: every cuBLASLt
-algorithm for the shape timed once before the capture, the fastest kept). A variant that would need
-more than the capture's lookups (tuning inside a capture) is not run. Results print and go to
-$OUT/probe_gemm.json (median and p20/p80 per GEMM in us).
+Variants: "cublas" (torch's default heuristics) and, with --tunableop, "tunableop" (torch.cuda.tunable:
+every cuBLASLt algorithm for the shape timed once before the capture, the fastest kept). Results print,
+go to $OUT/probe_gemm.json (median and p20/p80 per GEMM in us) and, as bench rows (bench "decode_gemm":
+provider = variant, model = the shape's model (with "/tg2" for a rank's shard), case = gemm, m, n, k,
+weight_bytes; metric seconds per GEMM; plus provider "floor": the weight bytes at the run's hbm_copy
+bandwidth), to $OUT/results.jsonl; `python -m bench report` tables them. `to_rows` converts a
+probe_gemm.json of an earlier run.
 
 Findings (session 9, H200; bench/results/profiles/probe_gemm_*_s9call*.json):
 - TunableOp's only candidate on this torch build is cuBLAS's default ("Default" for every shape): same times.
@@ -20,13 +23,14 @@ Findings (session 9, H200; bench/results/profiles/probe_gemm_*_s9call*.json):
   1.5B decode step's GEMMs alone take 1.41 ms (its weights at HBM bandwidth: 0.75 ms); with its KV read at
   HBM bandwidth (GRPO case, 128 sequences at mean context 384: 0.33 ms) that is 1.6x the step's floor (1.09 ms).
 - A split-K Triton GEMM written for these shapes (one launch, the last split of a tile merging the fp32
-  partials; commit 9908d11, removed since) was slower than cuBLAS at every shape, 1.1-2.3x with its plan
-  and 1.05-1.6x at the best of 15 configs (probe_gemm_triton_s9call4.json).
+  partials; commit 9908d11, removed since) was slower than cuBLAS at every shape, 1.06-2.7x its time with its plan
+  and 1.10-1.8x at the best of 15 configs (M = 128) (probe_gemm_triton_s9call4.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -41,7 +45,13 @@ SHAPES = {  # name: (N, K, bias)
                      "down": (1536, 8960, False), "lm_head": (151936, 1536, False)},
     "qwen2-7b": {"qkv": (4608, 3584, True), "o": (3584, 3584, False), "gate_up": (37888, 3584, False),
                  "down": (3584, 18944, False)},
+    # one rank's shards at tg = 2: column-parallel qkv / gate_up halve N, row-parallel o / down halve K
+    "qwen2.5-1.5b/tg2": {"qkv": (1024, 1536, True), "o": (1536, 768, False), "gate_up": (8960, 1536, False),
+                         "down": (1536, 4480, False)},
+    "qwen2-7b/tg2": {"qkv": (2304, 3584, True), "o": (3584, 1792, False), "gate_up": (18944, 3584, False),
+                     "down": (3584, 9472, False)},
 }
+BENCH = "decode_gemm"
 ROWS = (64, 128, 256)
 
 
@@ -90,9 +100,30 @@ def per_gemm_seconds(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.T
     return times
 
 
+def to_rows(probe: dict, *, run_id: str, time: str, commit: str, versions: dict) -> list[dict]:
+    """Bench rows (bench.common.FIELDS) from a probe_gemm.json: one per timed GEMM (the variant as provider;
+    a config, where the variant had one, in the case) and one "floor" row per shape."""
+    base = dict(run_id=run_id, time=time, commit=commit, gpu=probe["device"], num_gpus=1, torch=probe["torch"],
+                bench=BENCH)
+    rows, floors = [], {}
+    for r in probe["rows"]:
+        case = dict(gemm=r["gemm"], m=r["m"], n=r["n"], k=r["k"], weight_bytes=r["weight_bytes"])
+        if r.get("config") is not None and r["variant"] != "cublas":
+            case["config"] = r["config"]
+        rows.append(dict(base, provider=r["variant"], model=r["model"], case=case, metric="seconds",
+                         value=r["us"] / 1e6, p20=r["p20_us"] / 1e6, p80=r["p80_us"] / 1e6, versions=versions))
+        floors[(r["model"], r["gemm"], r["m"])] = dict(
+            base, provider="floor", model=r["model"], case=dict(case, hbm_GBps=probe["hbm_copy_GB_per_s"]),
+            metric="seconds", value=r["floor_us"] / 1e6, p20=None, p80=None, versions=versions)
+    for row in floors.values():
+        row["case"].pop("config", None)
+    return rows + list(floors.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--tunableop", action="store_true", help="also time every shape with torch.cuda.tunable")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = hbm_bandwidth()
@@ -101,7 +132,7 @@ def main() -> None:
                "rows": []}
     from torch.cuda import tunable
     tunable.write_file_on_exit(False) if hasattr(tunable, "write_file_on_exit") else None
-    for variant in ("cublas", "tunableop"):
+    for variant in ("cublas", "tunableop") if args.tunableop else ("cublas",):
         tunable.enable(variant == "tunableop")
         tunable.tuning_enable(variant == "tunableop")
         if variant == "tunableop":
@@ -133,11 +164,18 @@ def main() -> None:
                           f"{wbytes / med / 1e9:6,.0f} GB/s  floor {wbytes / bw * 1e6:6.1f} us")
                 del weights, bias
                 torch.cuda.empty_cache()
-    if variant == "tunableop":
+    if args.tunableop:
         results["tunableop_results"] = {str(k): str(v) for k, v in (tunable.get_results() or {}).items()} \
             if isinstance(tunable.get_results(), dict) else [list(map(str, r)) for r in tunable.get_results() or []]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probe_gemm.json").write_text(json.dumps(results, indent=1))
+    from .common import commit, versions
+
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    rows = to_rows(results, run_id=stamp.strftime("%Y%m%dT%H%M%SZ") + "-pgemm",
+                   time=stamp.isoformat(timespec="seconds"), commit=commit(), versions=versions())
+    with open(args.out / "results.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 if __name__ == "__main__":

@@ -318,3 +318,29 @@ def test_read_floor_kernel_sums_every_element_once(block, iters):
     out = cold_read(x, block=block, iters=iters, num_warps=4)
     assert out.numel() == -(-x.numel() // (block * iters))
     assert out.sum().item() == x.float().sum().item()
+
+
+def test_probe_gemm_rows_and_their_report_table():
+    # probe_gemm's JSON becomes bench rows (schema FIELDS; a floor row per shape) and report.md's decode-GEMM table.
+    from bench.probe_gemm import to_rows
+    from bench.report import decode_gemm_section
+
+    probe = {"device": "NVIDIA H200", "torch": "2.11.0", "hbm_copy_GB_per_s": 4000.0, "rows": [
+        dict(variant="cublas", model="m1", gemm="qkv", m=128, n=64, k=32, weight_bytes=4000, us=2.0, p20_us=1.9,
+             p80_us=2.1, floor_us=1.0),
+        dict(variant="triton", config={"SPLIT_K": 2}, model="m1", gemm="qkv", m=128, n=64, k=32, weight_bytes=4000,
+             us=3.0, p20_us=2.9, p80_us=3.1, floor_us=1.0),
+        dict(variant="triton_sweep", config={"SPLIT_K": 4}, model="m1", gemm="qkv", m=128, n=64, k=32,
+             weight_bytes=4000, us=2.5, p20_us=2.4, p80_us=2.6, floor_us=1.0)]}
+    rows = to_rows(probe, run_id="r1", time="2026-11-30T23:00:00+00:00", commit="abc", versions={})
+    for row in rows:
+        check_row(row)
+    assert [r["provider"] for r in rows] == ["cublas", "triton", "triton_sweep", "floor"]
+    assert "config" not in rows[0]["case"] and rows[1]["case"]["config"] == {"SPLIT_K": 2}
+    assert rows[3]["value"] == 1e-6 and rows[3]["case"]["hbm_GBps"] == 4000.0
+    text = decode_gemm_section(rows)
+    line = next(l for l in text.splitlines() if l.startswith("| m1 | qkv | 128 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4].startswith("2.00 us") and cells[7] == "0.50"   # of floor: 1 us / 2 us
+    assert cells[8] == "3.00 us" and cells[9] == "2.50 us" and cells[10] == "1.25"  # best Triton / cuBLAS
+    assert "| m1 | 128 | 2.00 us | 1.00 us | 0.50 |" in text
