@@ -202,6 +202,38 @@ class Ctx:
                      pm.nvml_gib)
 
 
+def graph_seconds(fn, *, calls: int = 1, warmup: int = 3, replays: int = 15, before_replay=None) -> list[float]:
+    """Seconds per call of `fn` (CUDA): `warmup` eager calls on a side stream, then `calls` calls captured back
+    to back in one CUDA graph; each of 3 untimed and `replays` timed replays is preceded by `before_replay`
+    (e.g. a barrier across ranks) and a device sync, and timed with CUDA events. The probes' timer: no launch
+    overhead between the calls, as in a captured decode step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for i in range(replays + 3):
+        if before_replay is not None:
+            before_replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+    graph.reset()
+    return times
+
+
 class PeakMemory:
     """Peak GPU memory of a region, max over ranks.
 

@@ -16,32 +16,12 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from .common import graph_seconds
+
 
 def timed_graph(fn, reps: int = 50, replays: int = 15) -> list[float]:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    out = []
-    for i in range(replays + 3):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            out.append(a.elapsed_time(b) * 1e3 / reps)
-    g.reset()
-    return out
+    """Microseconds per call: `reps` calls in one CUDA graph, ranks lined up by a barrier before each replay."""
+    return [t * 1e6 for t in graph_seconds(fn, calls=reps, warmup=3, replays=replays, before_replay=dist.barrier)]
 
 
 def main():

@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .common import commit, graph_seconds, versions
+
 SHAPES = {  # name: (N, K, bias)
     "qwen2.5-1.5b": {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "gate_up": (17920, 1536, False),
                      "down": (1536, 8960, False), "lm_head": (151936, 1536, False)},
@@ -72,32 +74,13 @@ def hbm_bandwidth() -> float:
 
 def per_gemm_seconds(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None,
                      replays: int = 20) -> list[float]:
+    """Seconds per GEMM: `F.linear(x, w, bias)` for each of the distinct weights back to back in one CUDA graph."""
     outs = [None] * len(weights)
 
     def chain():
         for i, w in enumerate(weights):
             outs[i] = F.linear(x, w, bias)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            chain()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    times = []
-    for i in range(replays + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b) / 1e3 / len(weights))
-    g.reset()
-    return times
+    return [t / len(weights) for t in graph_seconds(chain, warmup=2, replays=replays)]
 
 
 def to_rows(probe: dict, *, run_id: str, time: str, commit: str, versions: dict) -> list[dict]:
@@ -131,7 +114,8 @@ def main() -> None:
     results = {"hbm_copy_GB_per_s": bw / 1e9, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "rows": []}
     from torch.cuda import tunable
-    tunable.write_file_on_exit(False) if hasattr(tunable, "write_file_on_exit") else None
+    if hasattr(tunable, "write_file_on_exit"):
+        tunable.write_file_on_exit(False)
     for variant in ("cublas", "tunableop") if args.tunableop else ("cublas",):
         tunable.enable(variant == "tunableop")
         tunable.tuning_enable(variant == "tunableop")
@@ -165,11 +149,9 @@ def main() -> None:
                 del weights, bias
                 torch.cuda.empty_cache()
     if args.tunableop:
-        results["tunableop_results"] = {str(k): str(v) for k, v in (tunable.get_results() or {}).items()} \
-            if isinstance(tunable.get_results(), dict) else [list(map(str, r)) for r in tunable.get_results() or []]
+        results["tunableop_results"] = [list(map(str, r)) for r in tunable.get_results() or []]  # (op, shape, algo, ms)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probe_gemm.json").write_text(json.dumps(results, indent=1))
-    from .common import commit, versions
 
     stamp = datetime.datetime.now(datetime.timezone.utc)
     rows = to_rows(results, run_id=stamp.strftime("%Y%m%dT%H%M%SZ") + "-pgemm",

@@ -401,15 +401,14 @@ class HybridEngine:
             return sample(logits, params, [s.generator for s in seqs])
         if not any(truncates):
             return self._sample_fused(logits, seqs)
-        fused = [i for i, t in enumerate(truncates) if not t]
-        other = [i for i, t in enumerate(truncates) if t]
         tokens = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
         logprobs = torch.empty(len(seqs), dtype=torch.float32, device=logits.device)
-        for rows in (fused, other):
+        for truncating in (False, True):  # the fused rows, then the truncating ones
+            rows = [i for i, t in enumerate(truncates) if t == truncating]
             index = _to_device(rows, torch.int64, logits.device)  # pinned, non-blocking: no wait for the GPU
             part = logits.index_select(0, index)
-            tok, lp = (self._sample_fused(part, [seqs[i] for i in rows]) if rows is fused else
-                       sample(part, [params[i] for i in rows], [seqs[i].generator for i in rows]))
+            tok, lp = (sample(part, [params[i] for i in rows], [seqs[i].generator for i in rows]) if truncating
+                       else self._sample_fused(part, [seqs[i] for i in rows]))
             tokens.index_copy_(0, index, tok)
             logprobs.index_copy_(0, index, lp.float())
         return tokens, logprobs

@@ -44,15 +44,32 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
         vocab_size=math.ceil(config.vocab_size / tp_size))
 
 
-class SymmAllReduce:
+class GroupAllReduce:
+    """A row-parallel linear's and the embedding's all-reduce through the process group (NCCL, gloo):
+    `linear` = all_reduce(x @ weight.T), `all_reduce_` in place. `SymmAllReduce` has the same two calls."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, weight)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+class SymmAllReduce(GroupAllReduce):
     """Sum all-reduce over a TP group through torch symmetric memory (CUDA, one node).
 
     Two buffers of `capacity` elements, rendezvoused once over the group; consecutive calls alternate
     between them, so a rank never writes the buffer a slower peer may still be reading from the call
     before (each call's kernel starts with a barrier over the group). `linear` computes x @ w.T into
     the buffer and reduces from there into a fresh tensor; `all_reduce_` reduces a tensor in place (one
-    copy in). Either takes NCCL for a message over `capacity` elements. Every rank must make the same
-    sequence of calls (true of a TP forward). Bitwise equal to NCCL's sum at tg = 2 (one add of two
+    copy in). Either takes the group's own all-reduce (NCCL) for a message over `capacity` elements.
+    Every rank must make the same sequence of calls (true of a TP forward). Bitwise equal to NCCL's sum at tg = 2 (one add of two
     values, rounded once); at tg > 2 the order of the adds may differ from NCCL's ring.
     """
 
@@ -61,7 +78,8 @@ class SymmAllReduce:
 
         if device.type != "cuda":
             raise ValueError(f"SymmAllReduce needs a CUDA device, got {device}")
-        self.group, self.capacity = group, capacity
+        super().__init__(group)
+        self.capacity = capacity
         self.group_name = group.group_name
         self.buffers = [symm_mem.empty(capacity, dtype=dtype, device=device) for _ in range(2)]
         for buf in self.buffers:
@@ -87,17 +105,14 @@ class SymmAllReduce:
         """all_reduce(x @ weight.T) for a row-parallel linear without bias."""
         shape = (*x.shape[:-1], weight.shape[0])
         if not self.fits(math.prod(shape)) or x.dtype != self.buffers[0].dtype:
-            out = F.linear(x, weight)
-            dist.all_reduce(out, group=self.group)
-            return out
+            return super().linear(x, weight)
         buf = self._buffer((math.prod(shape[:-1]), shape[-1]))
         torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=buf)
         return self._reduce(buf, torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)).view(shape)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fits(x.numel()) or not x.is_contiguous() or x.dtype != self.buffers[0].dtype:
-            dist.all_reduce(x, group=self.group)
-            return x
+            return super().all_reduce_(x)
         buf = self._buffer(x.shape)
         buf.copy_(x)
         return self._reduce(buf, x)
@@ -131,7 +146,7 @@ class VocabShard:
     """A TP rank's slice of the vocabulary: LM-head rows [first, first + rows), the first `valid` of
     them real (the rest zero padding). `local_logits(hidden)` gives this rank's logits [..., rows]; the
     rollout samples from them vocab-parallel (`sampling.sample_fused(group=)`) and gathers the whole
-    vocabulary (`gather_vocab`) only for a step that truncates (top-k/top-p)."""
+    vocabulary (`gather`) only for a step that truncates (top-k/top-p)."""
 
     first: int
     rows: int
@@ -142,15 +157,11 @@ class VocabShard:
     local_logits: object
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
-        return gather_vocab(part, group=self.group, tp_size=self.tp_size, vocab_size=self.vocab_size)
-
-
-def gather_vocab(part: torch.Tensor, *, group, tp_size: int, vocab_size: int) -> torch.Tensor:
-    """The vocab-sliced logits [..., rows] of every TP rank -> [..., vocab_size] (padding dropped)."""
-    part = part.contiguous()
-    parts = [torch.empty_like(part) for _ in range(tp_size)]
-    dist.all_gather(parts, part, group=group)
-    return torch.cat(parts, dim=-1)[..., :vocab_size]
+        """The vocab-sliced logits [..., rows] of every TP rank -> [..., vocab_size] (padding dropped)."""
+        part = part.contiguous()
+        parts = [torch.empty_like(part) for _ in range(self.tp_size)]
+        dist.all_gather(parts, part, group=self.group)
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 
 def parallelize(model: CausalLM, *, vocab_size: int, tp_rank: int, tp_size: int, group,
@@ -160,18 +171,10 @@ def parallelize(model: CausalLM, *, vocab_size: int, tp_rank: int, tp_size: int,
     if tp_size == 1:
         return model
 
-    if all_reduce is None:
-        def all_reduce_output(_module, _inputs, output):
-            dist.all_reduce(output, group=group)
-            return output
-
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.register_forward_hook(all_reduce_output)
-            layer.mlp.down_proj.register_forward_hook(all_reduce_output)
-    else:
-        for layer in model.model.layers:
-            for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                linear.forward = lambda x, m=linear: all_reduce.linear(x, m.weight)
+    reduce = all_reduce if all_reduce is not None else GroupAllReduce(group)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            linear.forward = lambda x, m=linear: reduce.linear(x, m.weight)
 
     rows = model.config.vocab_size  # local rows per rank (padded)
     embed = model.model.embed_tokens
@@ -181,10 +184,7 @@ def parallelize(model: CausalLM, *, vocab_size: int, tp_rank: int, tp_size: int,
         local = input_ids - first
         inside = (local >= 0) & (local < rows)
         out = F.embedding(local.clamp(0, rows - 1), embed.weight) * inside.unsqueeze(-1).to(embed.weight.dtype)
-        if all_reduce is None:
-            dist.all_reduce(out, group=group)
-            return out
-        return all_reduce.all_reduce_(out)
+        return reduce.all_reduce_(out)
 
     embed.forward = vocab_parallel_embedding
     local_logits = model.compute_logits
