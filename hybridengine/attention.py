@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from . import pdl
+
 NO_WINDOW = 2**30
 """Window passed to the kernels when there is none: larger than any context, small enough that
 `position - window` stays inside int32."""
@@ -166,19 +168,22 @@ def _check_block_ids(name: str, blocks: torch.Tensor, num_blocks: int) -> None:
 # KV store
 
 
-def _check_store_args(key, value, k_cache, v_cache, slot_mapping, *, reference: bool) -> None:
-    _check_float("key", key, reference=reference)
-    _check_tensor("key", key, dim=3)
-    _check_tensor("value", value, dim=3, device=key.device)
-    _check_shape("value", value, key.shape, "the shape of key")
+def _check_store_args(key, value, k_cache, v_cache, slot_mapping, *, reference: bool,
+                      names: tuple[str, str] = ("key", "value")) -> None:
+    """`names`: what the caller calls key and value (rope_store_kv: k and v)."""
+    kn, vn = names
+    _check_float(kn, key, reference=reference)
+    _check_tensor(kn, key, dim=3)
+    _check_tensor(vn, value, dim=3, device=key.device)
+    _check_shape(vn, value, key.shape, f"the shape of {kn}")
     if value.dtype != key.dtype:
-        raise ValueError(f"value is {value.dtype} but key is {key.dtype}")
-    for name, t in (("key", key), ("value", value)):
+        raise ValueError(f"{vn} is {value.dtype} but {kn} is {key.dtype}")
+    for name, t in ((kn, key), (vn, value)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, got strides {t.stride()}")
     _check_cache(key, k_cache, v_cache, head_dim=key.shape[2], num_heads=key.shape[1])
     _check_tensor("slot_mapping", slot_mapping, dim=1, dtypes=(torch.int64,), device=key.device)
-    _check_shape("slot_mapping", slot_mapping, key.shape[:1], "one slot per token of key")
+    _check_shape("slot_mapping", slot_mapping, key.shape[:1], f"one slot per token of {kn}")
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -238,6 +243,69 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of `rope_store_kv`: `fused.rope_ref`, then `store_kv_ref` of the rotated k and v.
+    Returns the rotated (q, k) as new tensors."""
+    from . import fused
+
+    fused._check_rope("rope_store_kv", q, k, cos, sin)
+    _check_store_args(k, v, k_cache, v_cache, slot_mapping, reference=True, names=("k", "v"))
+    q, k = fused.rope_ref(q, k, cos, sin)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_store_kv` with the Triton kernel (one program per token): q and k rotated in place; returns (q, k)."""
+    import triton
+
+    from . import fused
+    from hybridengine.kernels.kv_cache import rope_store_kv_kernel
+
+    fused._check_rope("rope_store_kv", q, k, cos, sin)
+    _check_store_args(k, v, k_cache, v_cache, slot_mapping, reference=False, names=("k", "v"))
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q, k
+    num_kv_heads = k.shape[1]
+    rope_store_kv_kernel[(num_tokens,)](
+        q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        # no FMA contraction: each product rounds before the sum, as eager (see fused.rope_triton_)
+        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q.device),
+    )
+    return q, k
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k, then the rotated k and v stored in the paged cache: `fused.rope` followed
+    by `store_kv`, in one kernel on CUDA (the rollout's attention layers; one launch instead of two per layer).
+
+    Args:
+        q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (views of a fused
+            QKV projection are fine), one dtype, last dim contiguous; head_dim even.
+        cos, sin: [num_tokens, head_dim] in q's dtype (HF half-split layout).
+        k_cache, v_cache, slot_mapping: as for `store_kv` (-1 skips a token: it is rotated, not stored).
+
+    Returns the rotated (q, k): the same tensors, rotated in place, on CUDA; new tensors on CPU (the
+    reference). Equal bit for bit to `fused.rope_ref` + `store_kv_ref`, cache included.
+    """
+    if q.device.type == "cuda":
+        return rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -406,6 +474,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         l_part = torch.empty_like(m_part)
     else:  # unused by the kernel (SPLIT is a constexpr)
         acc_part = m_part = l_part = out
+    launch = pdl.launch_args(q.device)
     paged_decode_kernel[(num_kv_heads, batch, num_partitions)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc_part, m_part, l_part,
         q.stride(0), q.stride(1),
@@ -417,14 +486,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
         # the interpreter's tl.dot reads bf16 operands' bits as integers: it multiplies fp32 copies (same products)
-        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, **cfg,
+        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, **cfg, **launch,
     )
     if split:
         block_dr = min(block_d, DECODE_REDUCE_BLOCK_D)
         paged_decode_reduce_kernel[(batch, num_q_heads, block_d // block_dr)](
             acc_part, m_part, l_part, out, out.stride(0), out.stride(1), num_partitions, num_q_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DR=block_dr,
-            CHUNK_P=min(DECODE_REDUCE_CHUNK, triton.next_power_of_2(num_partitions)), num_warps=4,
+            CHUNK_P=min(DECODE_REDUCE_CHUNK, triton.next_power_of_2(num_partitions)), num_warps=4, **launch,
         )
     return out
 

@@ -283,16 +283,23 @@ class Attention(nn.Module):
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
         """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` stores K/V in the paged cache and attends.
 
-        With `attn.fused` (rollout) or `attn.fused_train` (training, autograd) the q/k norms and RoPE run
-        as the kernels of hybridengine.fused; the rollout also computes q, k and v in one GEMM."""
+        With `attn.fused` (rollout) the q/k norms run as the kernels of hybridengine.fused, q, k and v come
+        from one GEMM, and RoPE rides in the KV store's kernel (`attend(..., rope=(cos, sin))`). With
+        `attn.fused_train` (training, autograd) the norms and RoPE are the autograd ops of hybridengine.fused."""
         N = x.shape[0]
-        rollout = getattr(attn, "fused", False)
-        if rollout or getattr(attn, "fused_train", False):
-            norm, rope = (fused.rms_norm, fused.rope) if rollout else (fused.rms_norm_train, fused.rope_train)
-            q, k, v = self._qkv_one_gemm(x) if rollout else self._qkv(x)
+        if getattr(attn, "fused", False):
+            q, k, v = self._qkv_one_gemm(x)
             if self.q_norm is not None:
-                q, k = norm(q, self.q_norm.weight, self.q_norm.eps), norm(k, self.k_norm.weight, self.k_norm.eps)
-            q, k = rope(q, k, cos, sin)
+                q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+                k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            out = attn.attend(layer_idx, q, k, v, self.sliding_window, rope=(cos, sin))
+            return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
+        if getattr(attn, "fused_train", False):
+            q, k, v = self._qkv(x)
+            if self.q_norm is not None:
+                q = fused.rms_norm_train(q, self.q_norm.weight, self.q_norm.eps)
+                k = fused.rms_norm_train(k, self.k_norm.weight, self.k_norm.eps)
+            q, k = fused.rope_train(q, k, cos, sin)
         else:
             q, k, v = self._qkv(x)
             if self.q_norm is not None:

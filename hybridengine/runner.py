@@ -56,9 +56,14 @@ class AttentionMetadata:
     """The model's paged forward uses the fused elementwise kernels (hybridengine.fused): set on CUDA."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               sliding_window: int | None) -> torch.Tensor:
+               sliding_window: int | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Store this step's K/V in the cache and attend. `rope` = (cos, sin): q and k are not rotated yet;
+        the rotation and the store run as one kernel (`attention.rope_store_kv`)."""
         k_cache, v_cache = self.kv.layers[layer]
-        attn_ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        if rope is None:
+            attn_ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        else:
+            q, k = attn_ops.rope_store_kv(q, k, v, *rope, k_cache, v_cache, self.slot_mapping)
         if self.is_prefill:
             return attn_ops.prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale=self.scale,
                                               sliding_window=sliding_window, max_seqlen_q=self.max_seqlen,

@@ -29,11 +29,14 @@ def _round(x, dtype: tl.constexpr):
 def rms_norm_kernel(
     X, Residual, W, Y, Residual_out, Rstd,
     stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row: h = x (+ residual, rounded to the dtype and stored as the new residual),
     y = w * (h * rsqrt(mean(h^2) + eps)) with the normalisation in fp32, cast to the dtype before the
     scale by w (HF's order of rounding). STORE_RSTD (training) keeps rstd [rows] fp32 for the backward."""
+    if PDL:  # launched early (hybridengine.pdl): wait for the previous kernel's writes, then let the next one in
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -52,44 +55,61 @@ def rms_norm_kernel(
 
 
 @triton.jit
+def rope_angles(cos_row, sin_row, d, d_ok, HALF: tl.constexpr):
+    """One token's cos and sin halves (cos1, sin1, cos2, sin2) at columns d and HALF + d."""
+    cos1 = tl.load(cos_row + d, mask=d_ok, other=0.0)
+    cos2 = tl.load(cos_row + HALF + d, mask=d_ok, other=0.0)
+    sin1 = tl.load(sin_row + d, mask=d_ok, other=0.0)
+    sin2 = tl.load(sin_row + HALF + d, mask=d_ok, other=0.0)
+    return cos1, sin1, cos2, sin2
+
+
+@triton.jit
+def rope_heads_(ptr, ok, cos1, sin1, cos2, sin2, HALF: tl.constexpr):
+    """Rotate in place the heads at ptr ([BLOCK_H, BLOCK_HALF] pointers to each head's first half; `ok`
+    masks heads and columns), HF half-split: x1' = x1 * cos1 - x2 * sin1, x2' = x2 * cos2 + x1 * sin2,
+    each product and the sum rounded to the dtype as eager `x * cos + rotate_half(x) * sin` rounds them.
+    Returns the rotated halves (x1', x2')."""
+    x1 = tl.load(ptr, mask=ok, other=0.0)
+    x2 = tl.load(ptr + HALF, mask=ok, other=0.0)
+    dt = x1.dtype
+    a1 = _round(x1.to(tl.float32) * cos1[None, :].to(tl.float32), dt)
+    b1 = _round(-x2.to(tl.float32) * sin1[None, :].to(tl.float32), dt)
+    a2 = _round(x2.to(tl.float32) * cos2[None, :].to(tl.float32), dt)
+    b2 = _round(x1.to(tl.float32) * sin2[None, :].to(tl.float32), dt)
+    y1 = _round(a1.to(tl.float32) + b1.to(tl.float32), dt)
+    y2 = _round(a2.to(tl.float32) + b2.to(tl.float32), dt)
+    tl.store(ptr, y1, mask=ok)
+    tl.store(ptr + HALF, y2, mask=ok)
+    return y1, y2
+
+
+@triton.jit
 def rope_kernel(
     Q, K, Cos, Sin,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One program per token, in place over all its q and k heads (HF half-split layout):
-    x1' = x1 * cos1 - x2 * sin1, x2' = x2 * cos2 + x1 * sin2, each product and the sum rounded to
-    the dtype as eager `x * cos + rotate_half(x) * sin` rounds them."""
+    """One program per token, in place over all its q and k heads (`rope_heads_`)."""
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF
-    cos1 = tl.load(Cos + token * stride_ct + d, mask=d_ok, other=0.0)
-    cos2 = tl.load(Cos + token * stride_ct + HALF + d, mask=d_ok, other=0.0)
-    sin1 = tl.load(Sin + token * stride_st + d, mask=d_ok, other=0.0)
-    sin2 = tl.load(Sin + token * stride_st + HALF + d, mask=d_ok, other=0.0)
+    cos1, sin1, cos2, sin2 = rope_angles(Cos + token * stride_ct, Sin + token * stride_st, d, d_ok, HALF)
     h = tl.arange(0, BLOCK_H)
-    for which in tl.static_range(2):
-        if which == 0:
-            base, stride_t, stride_h, heads = Q, stride_qt, stride_qh, NUM_Q_HEADS
-        else:
-            base, stride_t, stride_h, heads = K, stride_kt, stride_kh, NUM_K_HEADS
-        ok = (h[:, None] < heads) & d_ok[None, :]
-        ptr = base + token * stride_t + h[:, None] * stride_h + d[None, :]
-        x1 = tl.load(ptr, mask=ok, other=0.0)
-        x2 = tl.load(ptr + HALF, mask=ok, other=0.0)
-        dt = x1.dtype
-        a1 = _round(x1.to(tl.float32) * cos1[None, :].to(tl.float32), dt)
-        b1 = _round(-x2.to(tl.float32) * sin1[None, :].to(tl.float32), dt)
-        a2 = _round(x2.to(tl.float32) * cos2[None, :].to(tl.float32), dt)
-        b2 = _round(x1.to(tl.float32) * sin2[None, :].to(tl.float32), dt)
-        tl.store(ptr, _round(a1.to(tl.float32) + b1.to(tl.float32), dt), mask=ok)
-        tl.store(ptr + HALF, _round(a2.to(tl.float32) + b2.to(tl.float32), dt), mask=ok)
+    rope_heads_(Q + token * stride_qt + h[:, None] * stride_qh + d[None, :],
+                (h[:, None] < NUM_Q_HEADS) & d_ok[None, :], cos1, sin1, cos2, sin2, HALF)
+    rope_heads_(K + token * stride_kt + h[:, None] * stride_kh + d[None, :],
+                (h[:, None] < NUM_K_HEADS) & d_ok[None, :], cos1, sin1, cos2, sin2, HALF)
 
 
 @triton.jit
-def silu_mul_kernel(Gate, Up, Out, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr):
+def silu_mul_kernel(Gate, Up, Out, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Grid (rows, column blocks): out = silu(gate) * up, silu rounded to the dtype first (as eager)."""
+    if PDL:  # see rms_norm_kernel
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols

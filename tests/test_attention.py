@@ -154,6 +154,18 @@ def check_decode(q, k_cache, v_cache, table, lens, *, sliding_window=None, **kw)
 # store_kv
 
 
+def assert_slots_hold(k_cache, v_cache, slots, key, value) -> None:
+    """Each token with a slot (>= 0) has its key/value rows there bit for bit; every other slot is still NaN."""
+    block_size = k_cache.shape[1]
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    assert torch.equal(bits(k_cache[blocks, offsets]), bits(key[keep]))
+    assert torch.equal(bits(v_cache[blocks, offsets]), bits(value[keep]))
+    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
+    untouched[blocks, offsets] = False
+    assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
+
+
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size,dtype,interleaved", [
     pytest.param(2, 64, 16, torch.bfloat16, False, id="bf16-d64-bs16"),
     pytest.param(4, 128, 32, torch.float16, True, id="fp16-d128-bs32-interleaved"),
@@ -174,13 +186,7 @@ def test_store_kv_matches_reference(device, num_kv_heads, head_dim, block_size, 
     A.store_kv_triton(key, value, k_cache, v_cache, slots)
     A.store_kv_ref(key, value, k_ref, v_ref, slots)
     assert torch.equal(bits(k_cache), bits(k_ref)) and torch.equal(bits(v_cache), bits(v_ref))
-    keep = slots >= 0
-    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
-    assert torch.equal(bits(k_cache[blocks, offsets]), bits(key[keep]))
-    assert torch.equal(bits(v_cache[blocks, offsets]), bits(value[keep]))
-    untouched = torch.ones(num_blocks, block_size, dtype=torch.bool, device=device)
-    untouched[blocks, offsets] = False
-    assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
+    assert_slots_hold(k_cache, v_cache, slots, key, value)
 
 
 def test_store_kv_no_tokens_and_all_padding(device):
@@ -226,6 +232,98 @@ def test_store_kv_ref_checks_slot_values(device, slot, match):
     args["slot_mapping"][4] = slot
     with pytest.raises(ValueError, match=match):
         A.store_kv_ref(**args)
+
+
+# --------------------------------------------------------------------------------------------------
+# rope_store_kv (the rollout's rotary embedding + KV store in one kernel)
+
+
+def _rope_store_inputs(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, dtype, device,
+                       seed=0):
+    """q, k, v as views of one fused QKV output; cos/sin of random angles; slots with padding (-1) first,
+    in the middle and last."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype).to(device)
+    nq, nk = num_q_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :nq].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, nq:nq + nk].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, nq + nk:].view(num_tokens, num_kv_heads, head_dim)
+    angle = torch.rand(num_tokens, head_dim // 2, generator=g) * 1000
+    cos = torch.cat([angle.cos()] * 2, -1).to(dtype).to(device)
+    sin = torch.cat([angle.sin()] * 2, -1).to(dtype).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[0, num_tokens // 2, num_tokens - 1]] = -1
+    return qkv, q, k, v, cos, sin, slots.to(device)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,dtype", [
+    pytest.param(4, 4, 64, 16, torch.bfloat16, id="bf16-mha-d64-bs16"),
+    pytest.param(12, 2, 128, 16, torch.bfloat16, id="bf16-gqa6-d128-bs16"),
+    pytest.param(7, 1, 32, 5, torch.float16, id="fp16-gqa7-d32-bs5"),
+    pytest.param(6, 3, 80, 3, torch.float32, id="fp32-gqa2-d80-bs3"),
+])
+def test_rope_store_kv_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Rotation and store bit for bit the reference's (rope_ref then store_kv_ref): q and k rotated in place,
+    the cache holding the rotated k and v at the slots, every other slot still NaN, padding tokens rotated."""
+    num_tokens, num_blocks = 11, 4
+    qkv, q, k, v, cos, sin, slots = _rope_store_inputs(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size,
+                                                       num_blocks, dtype, device, seed=num_q_heads * head_dim)
+    v_before = v.clone()
+    k_cache, v_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
+    q_ref, k_ref = A.rope_store_kv_ref(q.clone(), k.clone(), v, cos, sin, k_ref_cache, v_ref_cache, slots)
+    q_out, k_out = A.rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place
+    assert torch.equal(bits(q), bits(q_ref)) and torch.equal(bits(k), bits(k_ref))
+    assert torch.equal(bits(v), bits(v_before))
+    assert torch.equal(bits(k_cache), bits(k_ref_cache)) and torch.equal(bits(v_cache), bits(v_ref_cache))
+    assert_slots_hold(k_cache, v_cache, slots, k_ref, v)
+
+
+def test_rope_store_kv_equals_rope_then_store(device):
+    """The fused kernel against the two kernels it replaces (fused.rope_triton_, store_kv_triton), bit for bit."""
+    from hybridengine import fused
+
+    _, q, k, v, cos, sin, slots = _rope_store_inputs(9, 12, 2, 64, 4, 6, torch.bfloat16, device)
+    k_cache, v_cache = poisoned_cache(6, 4, 2, 64, torch.bfloat16, device)
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    q2, k2 = fused.rope_triton_(q.clone(), k.clone(), cos, sin)
+    A.store_kv_triton(k2, v, k_two, v_two, slots)
+    A.rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(bits(q), bits(q2)) and torch.equal(bits(k), bits(k2))
+    assert torch.equal(bits(k_cache), bits(k_two)) and torch.equal(bits(v_cache), bits(v_two))
+
+
+def test_rope_store_kv_no_tokens(device):
+    k_cache, v_cache = poisoned_cache(2, 4, 1, 16, torch.bfloat16, device)
+    q = torch.empty(0, 2, 16, dtype=torch.bfloat16, device=device)
+    k = torch.empty(0, 1, 16, dtype=torch.bfloat16, device=device)
+    cs = torch.empty(0, 16, dtype=torch.bfloat16, device=device)
+    out = A.rope_store_kv_triton(q, k, k, cs, cs, k_cache, v_cache, torch.empty(0, dtype=torch.int64, device=device))
+    assert out[0].shape == (0, 2, 16) and k_cache.isnan().all() and v_cache.isnan().all()
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(cos=a["cos"][:, :8]), r"rope_store_kv: cos must be \[5, 16\]"),
+    (lambda a: a.update(q=a["q"][..., :15], k=a["k"][..., :15], v=a["v"][..., :15]), "head_dim must be even"),
+    (lambda a: a.update(k=a["k"].half()), "rope_store_kv: k must be"),
+    (lambda a: a.update(v=a["v"][:4]), r"v must have shape \(5, 2, 16\)"),
+    (lambda a: a.update(v=a["v"].half()), "v is torch.float16 but k is torch.bfloat16"),
+    (lambda a: a.update(k_cache=a["k_cache"][:, :, :1], v_cache=a["v_cache"][:, :, :1]), "k_cache has 1 kv heads"),
+    (lambda a: a.update(slot_mapping=a["slot_mapping"][:3]), r"slot_mapping must have shape \(5,\)"),
+])
+def test_rope_store_kv_bad_input_changes_nothing(device, change, match):
+    """A rejected call names the argument and leaves q, k and the cache as they were."""
+    _, q, k, v, cos, sin, slots = _rope_store_inputs(5, 4, 2, 16, 4, 4, torch.bfloat16, device)
+    k_cache, v_cache = poisoned_cache(4, 4, 2, 16, torch.bfloat16, device)
+    args = dict(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    before = {name: t.clone() for name, t in args.items()}
+    change(args)
+    for fn in (A.rope_store_kv_triton, A.rope_store_kv_ref):
+        with pytest.raises(ValueError, match=match):
+            fn(**args)
+    for name, t in (("q", q), ("k", k), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert torch.equal(bits(t), bits(before[name])), name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -592,7 +690,7 @@ def test_ops_run_the_reference_on_cpu():
 def test_kernels_import_as_package():
     from hybridengine.kernels import kv_cache, paged_attention, prefill_attention
 
-    for kernel in (kv_cache.store_kv_kernel, paged_attention.paged_decode_kernel,
+    for kernel in (kv_cache.store_kv_kernel, kv_cache.rope_store_kv_kernel, paged_attention.paged_decode_kernel,
                    paged_attention.paged_decode_reduce_kernel, prefill_attention.prefill_attention_kernel):
         assert hasattr(kernel, "run"), kernel
 
