@@ -7,8 +7,7 @@ n = 8 samples x 512 new tokens per GPU: decode batch 128, where the issue sets t
 Rows: seconds per generate call, total tokens/s over all GPUs, decode step time (the whole decode
 iteration: schedule, inputs, graph replay, sampling, bookkeeping), peaks, each with async scheduling
 (the default) and without it (case async_scheduling=False, same engine, same run), and the grpo case
-with the torch sampler (case sampler=torch; the default on CUDA is the fused one) and, on GPUs that take
-programmatic dependent launch, with it off (case pdl=False: same engine, a second rollout); plus each case's
+with the torch sampler (case sampler=torch; the default on CUDA is the fused one); plus each case's
 decode-step floor (weights + the KV bytes of the batch at its mean context / 4.21 TB/s, the HBM copy
 bandwidth measured on this machine).
 """
@@ -48,26 +47,14 @@ def _generate_tg(ctx: Ctx, he, model: str, tg: int) -> None:
              dict(name="grpo", prompts=16 * tg, n=8, new_tokens=512)]
     groups = ctx.world // tg  # TP groups; each generates its own batch
     # Each case with async scheduling (the default) and, as a same-run variant, without it; the grpo
-    # case also with the torch sampler (EngineConfig(sampler='torch')) instead of the fused one, and, in a
-    # second rollout (its graphs captured that way), with PDL off (hybridengine.pdl; rows case pdl=False).
-    from hybridengine import pdl
-
+    # case also with the torch sampler (EngineConfig(sampler='torch')) instead of the fused one.
     variants = [(case, mode, "fused") for case in cases for mode in (True, False)]
     variants += [(case, True, "torch") for case in cases if case["name"] == "grpo"]
-    phases = [(pdl.ENABLED, variants)]
-    if pdl.launch_args(ctx.device).get("PDL"):
-        phases.append((False, [(case, True, "fused") for case in cases if case["name"] == "grpo"]))
-    saved = pdl.ENABLED
-    try:
-        for pdl_on, phase in phases:
-            pdl.ENABLED = pdl_on
-            with engine.rollout():
-                ctx.log(f"  {model} tg={tg}: KV cache {engine.stats['kv_cache_GiB']:.1f} GiB, {engine.stats['kv_blocks']} "
-                        f"blocks, CUDA graph capture {engine.stats['cuda_graph_capture_s']:.2f} s, PDL {pdl_on}")
-                for case, async_scheduling, sampler in phase:
-                    _generate_case(ctx, he, engine, model, tg, groups, case, async_scheduling, sampler, pdl_on)
-    finally:
-        pdl.ENABLED = saved
+    with engine.rollout():
+        ctx.log(f"  {model} tg={tg}: KV cache {engine.stats['kv_cache_GiB']:.1f} GiB, {engine.stats['kv_blocks']} blocks, "
+                f"CUDA graph capture {engine.stats['cuda_graph_capture_s']:.2f} s")
+        for case, async_scheduling, sampler in variants:
+            _generate_case(ctx, he, engine, model, tg, groups, case, async_scheduling, sampler)
     # The decode-step floor of each case, per GPU: its weight bytes (1/tg of the model) once + its KV bytes
     # (1/tg of the heads) of the TP group's batch at the mean context of the decode phase (prompt + half
     # the new tokens). TP's all-reduces are not in the floor.
@@ -85,8 +72,8 @@ def _generate_tg(ctx: Ctx, he, model: str, tg: int) -> None:
 
 
 def _generate_case(ctx: Ctx, he, engine, model: str, tg: int, groups: int, case: dict, async_scheduling: bool,
-                   sampler: str, pdl_on: bool) -> None:
-    """One timed case (warm-up + 3 generate calls) and its rows; case pdl=False marks the PDL-off variant."""
+                   sampler: str) -> None:
+    """One timed case (warm-up + 3 generate calls) and its rows."""
     w = ctx.work
     engine.config.async_scheduling = async_scheduling
     engine.config.sampler = "auto" if sampler == "fused" else sampler
@@ -98,14 +85,13 @@ def _generate_case(ctx: Ctx, he, engine, model: str, tg: int, groups: int, case:
     tokens = case["prompts"] * case["n"] * case["new_tokens"]  # one TP group's
     row_case = dict(case=case["name"], tg=tg, samples=case["n"], cuda_graphs=True,
                     batch_per_gpu=case["prompts"] * case["n"] // tg, prompt=w.prompt,
-                    new_tokens=case["new_tokens"], async_scheduling=async_scheduling, sampler=sampler,
-                    **({} if pdl_on else {"pdl": False}))
+                    new_tokens=case["new_tokens"], async_scheduling=async_scheduling, sampler=sampler)
     ctx.rec.add("generate", "hybridengine", model, row_case, "seconds", times)
     ctx.rec.add("generate", "hybridengine", model, row_case, "tokens_per_s", [groups * tokens / t for t in times])
     ctx.record_peak(pm, "generate", "hybridengine", model, row_case)
     step = engine.stats["decode_s"] / max(1, engine.stats["steps"] - 1)
     ctx.rec.add("decode_step", "hybridengine", model, row_case, "seconds", step)
-    ctx.log(f"  generate {model} tg={tg} {case['name']} async={async_scheduling} sampler={sampler} pdl={pdl_on}: "
+    ctx.log(f"  generate {model} tg={tg} {case['name']} async={async_scheduling} sampler={sampler}: "
             f"{quantiles(times)[1]:.2f} s, "
             f"{groups * tokens / quantiles(times)[1]:,.0f} tok/s total, decode step {step * 1e3:.2f} ms, "
             f"preemptions {engine.stats['preemptions']}, peak nvml {pm.nvml_gib:.1f} GiB")

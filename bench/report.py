@@ -221,9 +221,9 @@ def same_variant(a: dict, b: dict, keys: tuple[str, ...] = VARIANT_KEYS) -> bool
 
 def _default_generate(r: dict) -> bool:
     """A generate/decode_step row of the engine's defaults, not one of the same-run variants (sync scheduling,
-    the torch sampler, PDL off)."""
+    the torch sampler)."""
     c = r["case"]
-    return c.get("async_scheduling") is not False and c.get("sampler") != "torch" and c.get("pdl") is not False
+    return c.get("async_scheduling") is not False and c.get("sampler") != "torch"
 
 
 def _label(r: dict) -> str:
@@ -521,9 +521,9 @@ def generate_section(rows: list[dict]) -> str:
             continue
         run, model, case = r["run_id"], r["model"], r["case"].get("case")
         own = _same_tg(in_run(rows, run), r)
-        mode, sampler, pdl = r["case"].get("async_scheduling"), r["case"].get("sampler"), r["case"].get("pdl")
+        mode, sampler = r["case"].get("async_scheduling"), r["case"].get("sampler")
         step = pick(own, bench="decode_step", provider="hybridengine", model=model, case_case=case,
-                    case_async_scheduling=mode, case_sampler=sampler, case_pdl=pdl)
+                    case_async_scheduling=mode, case_sampler=sampler)
         floor = pick(own, bench="decode_step", provider="floor", model=model, case_case=case)
         if floor is not None and floor["case"].get("batch_per_gpu") != r["case"].get("batch_per_gpu"):
             floor = None
@@ -542,10 +542,9 @@ def generate_section(rows: list[dict]) -> str:
             speeds.append("–" if p is None else
                           ratio(per_gpu, p["value"] / max(p["num_gpus"], 1)) + notes.other_run(p, run))
         nvml = pick(own, bench="generate", provider="hybridengine", model=model, metric="peak_GiB", case_case=case,
-                    case_source="nvml", case_async_scheduling=mode, case_sampler=sampler, case_pdl=pdl)
+                    case_source="nvml", case_async_scheduling=mode, case_sampler=sampler)
         shape = f"{r['case'].get('batch_per_gpu')} x {r['case'].get('new_tokens')}"
-        sync = ((", sync" if mode is False else "") + (", torch sampler" if sampler == "torch" else "")
-                + (", PDL off" if pdl is False else ""))
+        sync = (", sync" if mode is False else "") + (", torch sampler" if sampler == "torch" else "")
         body.append([model, f"{case} (n={r['case'].get('samples')}, tg={r['case'].get('tg', 1)}{sync})", shape, sig_spread(r), str(r["num_gpus"]),
                      sig(per_gpu),
                      dur(step and step["value"]), dur(floor and floor["value"]) + floor_mark,
@@ -560,9 +559,7 @@ def generate_section(rows: list[dict]) -> str:
             "reserves up front (gpu_memory_utilization 0.85). Rows marked sync ran with async scheduling off "
             "(`EngineConfig(async_scheduling=False)`, same engine, same run); rows marked torch sampler drew their "
             "tokens with `sampling.sample` (`EngineConfig(sampler='torch')`) instead of the fused Triton sampler, "
-            "the default on CUDA (same engine, same run); rows marked PDL off launched the Triton kernels without "
-            "programmatic dependent launch (`hybridengine.pdl`, on by default on the H200; same engine, a second "
-            "rollout whose graphs were captured that way).\n\n"
+            "the default on CUDA (same engine, same run).\n\n"
             + table(["model", "case", "seqs/GPU x new tokens", "tok/s (p20–p80)", "GPUs", "tok/s per GPU", "decode step",
                      "floor step", f"step / floor (goal <= {GOAL['decode_step_vs_floor']})",
                      *(f"speed vs {label}" for _, _, label in GENERATE_PEERS), "peak GiB nvml", "run"], body)
@@ -1189,8 +1186,7 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
     for g in sorted(gen, key=lambda x: (x["model"], x["case"].get("batch_per_gpu", 0))):
         own = _same_tg(in_run(rows, g["run_id"]), g)
         step = pick(own, bench="decode_step", provider="hybridengine", model=g["model"], case_case=g["case"].get("case"),
-                    case_async_scheduling=g["case"].get("async_scheduling"), case_sampler=g["case"].get("sampler"),
-                    case_pdl=None)
+                    case_async_scheduling=g["case"].get("async_scheduling"), case_sampler=g["case"].get("sampler"))
         floor = pick(own, bench="decode_step", provider="floor", model=g["model"], case_case=g["case"].get("case"))
         if step and floor and floor["case"].get("batch_per_gpu") == g["case"].get("batch_per_gpu"):
             tg = g["case"].get("tg", 1)

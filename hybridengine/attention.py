@@ -26,8 +26,6 @@ import math
 
 import torch
 
-from . import pdl
-
 NO_WINDOW = 2**30
 """Window passed to the kernels when there is none: larger than any context, small enough that
 `position - window` stays inside int32."""
@@ -283,7 +281,7 @@ def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
         BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         # no FMA contraction: each product rounds before the sum, as eager (see fused.rope_triton_)
-        num_warps=4, enable_fp_fusion=False, **pdl.launch_args(q.device),
+        num_warps=4, enable_fp_fusion=False,
     )
     return q, k
 
@@ -474,7 +472,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         l_part = torch.empty_like(m_part)
     else:  # unused by the kernel (SPLIT is a constexpr)
         acc_part = m_part = l_part = out
-    launch = pdl.launch_args(q.device)
     paged_decode_kernel[(num_kv_heads, batch, num_partitions)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc_part, m_part, l_part,
         q.stride(0), q.stride(1),
@@ -486,14 +483,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype),
         # the interpreter's tl.dot reads bf16 operands' bits as integers: it multiplies fp32 copies (same products)
-        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, **cfg, **launch,
+        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, **cfg,
     )
     if split:
         block_dr = min(block_d, DECODE_REDUCE_BLOCK_D)
         paged_decode_reduce_kernel[(batch, num_q_heads, block_d // block_dr)](
             acc_part, m_part, l_part, out, out.stride(0), out.stride(1), num_partitions, num_q_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DR=block_dr,
-            CHUNK_P=min(DECODE_REDUCE_CHUNK, triton.next_power_of_2(num_partitions)), num_warps=4, **launch,
+            CHUNK_P=min(DECODE_REDUCE_CHUNK, triton.next_power_of_2(num_partitions)), num_warps=4,
         )
     return out
 

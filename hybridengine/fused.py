@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
-
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -86,7 +84,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
             x, residual if residual is not None else x, weight, y, h, rstd if rstd is not None else y,
             x.stride(0), (residual if residual is not None else x).stride(0), y.stride(0), h.stride(0), cols, eps,
             HAS_RESIDUAL=residual is not None, STORE_RSTD=rstd is not None, BLOCK=triton.next_power_of_2(cols),
-            num_warps=4 if cols <= 2048 else 8, **pdl.launch_args(x.device),
+            num_warps=4 if cols <= 2048 else 8,
         )
     return y if residual is None else (y, h)
 
@@ -187,8 +185,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(4096, triton.next_power_of_2(cols))
     if rows:
         silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0),
-                                                          cols, BLOCK=block, num_warps=4,
-                                                          **pdl.launch_args(gate.device))
+                                                          cols, BLOCK=block, num_warps=4)
     return out
 
 

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import pdl
-
 
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
@@ -287,7 +285,7 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
     splits = -(-V // chunk)  # no empty split
     part = torch.empty(5, B, splits, dtype=torch.float32, device=logits.device)  # max, sum, best, column, s
     sample_partial_kernel[(B, splits)](logits, logits.stride(0), inv_temp, keys, draws, part, n_valid, chunk, col_offset,
-                                       SPLITS=splits, BLOCK=block, num_warps=4, **pdl.launch_args(logits.device))
+                                       SPLITS=splits, BLOCK=block, num_warps=4)
     if group is not None and dist.get_world_size(group) > 1:
         n = dist.get_world_size(group)
         parts = [torch.empty_like(part) for _ in range(n)]
@@ -297,7 +295,7 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     sample_combine_kernel[(B,)](part, tokens, logprobs, B, SPLITS=splits, BLOCK_S=max(2, _next_pow2(splits)),
-                                num_warps=1, **pdl.launch_args(logits.device))
+                                num_warps=1)
     return tokens, logprobs
 
 

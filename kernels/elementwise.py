@@ -29,14 +29,11 @@ def _round(x, dtype: tl.constexpr):
 def rms_norm_kernel(
     X, Residual, W, Y, Residual_out, Rstd,
     stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per row: h = x (+ residual, rounded to the dtype and stored as the new residual),
     y = w * (h * rsqrt(mean(h^2) + eps)) with the normalisation in fp32, cast to the dtype before the
     scale by w (HF's order of rounding). STORE_RSTD (training) keeps rstd [rows] fp32 for the backward."""
-    if PDL:  # launched early (hybridengine.pdl): wait for the previous kernel's writes, then let the next one in
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -104,12 +101,8 @@ def rope_kernel(
 
 
 @triton.jit
-def silu_mul_kernel(Gate, Up, Out, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def silu_mul_kernel(Gate, Up, Out, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr):
     """Grid (rows, column blocks): out = silu(gate) * up, silu rounded to the dtype first (as eager)."""
-    if PDL:  # see rms_norm_kernel
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols

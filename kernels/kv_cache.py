@@ -51,14 +51,11 @@ def rope_store_kv_kernel(
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """One program per token: the rotary embedding of its q and k heads in place (`rope_heads_`, rounded as
     eager), then the rotated K rows and the V rows copied into the token's cache slot. Slot -1 (a padding
     token) is rotated and stores nothing. The cache gets k's rotated values bit for bit."""
-    if PDL:  # launched early (hybridengine.pdl): wait for the previous kernel's writes, then let the next one in
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF

@@ -84,11 +84,8 @@ def paged_decode_kernel(
     scale_log2, window, max_blocks, partition_size, num_partitions,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    if PDL:  # launched early (hybridengine.pdl): wait for the previous kernel's writes, then let the next one in
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
@@ -176,15 +173,11 @@ def paged_decode_reduce_kernel(
     Acc_part, M_part, L_part, Out,
     stride_ob, stride_oh, num_partitions, num_q_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, CHUNK_P: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """One program per (sequence, query head, BLOCK_DR slice of head_dim):
     out = sum_p w_p acc_p / sum_p w_p l_p with w_p = 2^(m_p - max m). Up to CHUNK_P partitions are
     merged per load, so the usual 4..128 partitions take one or two dependent loads, and the grid has
     BLOCK_D / BLOCK_DR times more programs than heads (B = 1: 28 heads alone would leave the GPU idle)."""
-    if PDL:  # see paged_decode_kernel
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_DR + tl.arange(0, BLOCK_DR)

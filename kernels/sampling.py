@@ -27,7 +27,7 @@ def race_exp(key, draw, c0, BLOCK: tl.constexpr):
 @triton.jit
 def sample_partial_kernel(
     Logits, stride_l, InvTemp, Keys, Draws, Out,
-    n_cols, chunk, col_offset, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    n_cols, chunk, col_offset, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (row, split) over columns [split * chunk, (split + 1) * chunk), s = logit * inv_temp
     in fp32, in two passes: the split's max M of s, then e = exp(s - M), their sum, and the race
@@ -37,9 +37,6 @@ def sample_partial_kernel(
     the reported column are the vocabulary's. Writes Out[:, row, split] (fp32 [5, B, SPLITS]): M, sum,
     the winning score in the log domain (s - log E; s when greedy), its column (exact in fp32 below
     2^24), its s."""
-    if PDL:  # launched early (hybridengine.pdl): wait for the previous kernel's writes, then let the next one in
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     inv_t = tl.load(InvTemp + row)
@@ -96,14 +93,10 @@ def sample_partial_kernel(
 
 
 @triton.jit
-def sample_combine_kernel(Part, Tokens, Logprobs, n_rows, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          PDL: tl.constexpr = False):
+def sample_combine_kernel(Part, Tokens, Logprobs, n_rows, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     """One program per row over Part (fp32 [5, rows, SPLITS], the partial kernel's planes, the splits
     of every TP rank side by side): lse = M + log sum of sum * exp(max - M); the token is the best
     score's column (the smallest column on ties); log-prob = s - lse."""
-    if PDL:  # see sample_partial_kernel
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, BLOCK_S)
     ok = sp < SPLITS

@@ -255,39 +255,3 @@ def test_rope_train_gradients(device, monkeypatch, dtype):
                                   lambda q, k: fused.rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], (dq, dk))
     assert torch.equal(outs[0], ref_outs[0]) and torch.equal(outs[1], ref_outs[1])
 
-
-# --------------------------------------------------------------------------------------------
-# programmatic dependent launch (hybridengine.pdl)
-
-
-def test_pdl_launch_args_off_on_cpu_and_when_disabled(monkeypatch):
-    from hybridengine import pdl
-
-    assert pdl.launch_args(torch.device("cpu")) == {"PDL": False}
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch_args(torch.device("cuda", 0)) == {"PDL": False}  # no device query when off
-
-
-@pytest.mark.gpu
-def test_gpu_pdl_generation_is_bitwise_the_same(monkeypatch):
-    """Every PDL kernel waits for its predecessor before its first load, so a rollout (CUDA graphs, decode and
-    prefill, sampling) gives the same tokens and log-probs bit for bit with PDL on and off."""
-    import hybridengine as he
-    from hybridengine import pdl
-
-    if pdl.launch_args(torch.device("cuda")) == {"PDL": False}:
-        pytest.skip("PDL needs compute capability >= 9.0 and Triton's gdc_wait")
-    results = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(pdl, "ENABLED", enabled)
-        torch.manual_seed(0)
-        engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
-            dtype=torch.bfloat16, device="cuda", block_size=4, max_model_len=96, num_kv_blocks=80, max_num_seqs=16))
-        g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(0, engine.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 30, 9)]
-        params = [he.SamplingParams(n=3, temperature=1.0, max_tokens=40, seed=7),
-                  he.SamplingParams(temperature=0.0, max_tokens=40)] * 2
-        with engine.rollout():
-            out = engine.generate(prompts, params)
-        results[enabled] = [(o.token_ids, o.logprobs) for r in out for o in r.outputs]
-    assert results[True] == results[False]
