@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import e2e, floors, generate, paged_attention, peers, ppo_loss, sampler, segment_copy, switch, train
+from . import e2e, floors, generate, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train
 from .common import Ctx, Recorder, release_memory
 
 BENCHES = {
@@ -37,6 +37,7 @@ BENCHES = {
     "paged_attention_sweep": paged_attention.paged_attention_sweep,
     "paged_attention_splits": paged_attention.paged_attention_splits,
     "paged_attention_prefetch": paged_attention.paged_attention_prefetch,
+    "prefill_attention": prefill_attention.prefill_attention,
     "ppo_loss": ppo_loss.ppo_loss,
     "train_step": train.train_step,
     "ppo_e2e": e2e.ppo_e2e,
@@ -61,6 +62,7 @@ SUITES: dict[str, list[str]] = {
     "paged_attention_sweep": ["hbm_copy", "paged_attention_sweep"],
     "paged_attention_splits": ["hbm_copy", "paged_attention_splits"],
     "paged_attention_prefetch": ["hbm_copy", "paged_attention_prefetch"],
+    "prefill_attention": ["gemm", "prefill_attention"],
     "ppo_loss": ["gemm", "ppo_loss"],
     "train_step": ["gemm", "train_step"],
     # hybridengine's train step with both peers' in one run (one model per device call at 7B)

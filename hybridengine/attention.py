@@ -647,13 +647,19 @@ def _prefill_config(q: torch.Tensor) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if q.shape[-1] <= 64 else 8, num_stages=2)
 
 
+PREFILL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "DOT_16BIT", "P_SPLIT")
+"""What `prefill_attention_triton(config=...)` may override (the bench's tuning sweep)."""
+
+
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, scale: float,
                              k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                              block_tables: torch.Tensor | None = None, sliding_window: int | None = None,
                              max_seqlen_q: int, max_seqlen_k: int,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
-    """`prefill_attention` with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+                             out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """`prefill_attention` with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1). `config` overrides
+    the launch (`PREFILL_CONFIG_KEYS`: tiles, warps, stages, DOT_16BIT (default True for bf16/fp16; fp32
+    inputs: False only), P_SPLIT (default True)); see kernels/prefill_attention.py."""
     import triton
 
     from hybridengine.kernels.prefill_attention import prefill_attention_kernel
@@ -665,7 +671,14 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.T
     batch, num_q_heads, head_dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
         return out
-    cfg = _prefill_config(q)
+    cfg = dict(_prefill_config(q), DOT_16BIT=q.dtype != torch.float32, P_SPLIT=True)
+    if config is not None:
+        unknown = set(config) - set(PREFILL_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"config has unknown keys {sorted(unknown)}; allowed: {PREFILL_CONFIG_KEYS}")
+        if config.get("DOT_16BIT") and q.dtype == torch.float32:
+            raise ValueError("config DOT_16BIT=True needs bf16/fp16 inputs, got torch.float32")
+        cfg.update(config)
     paged = block_tables is not None
     if paged:
         k_src, v_src, bt = k_cache, v_cache, block_tables
@@ -682,7 +695,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.T
         q.stride(0), q.stride(1), *strides, out.stride(0), out.stride(1),
         scale * math.log2(math.e), NO_WINDOW if sliding_window is None else sliding_window, max_blocks,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGED=paged,
-        PAGE_SIZE=max(block_size, 1), DOT_PRECISION=_dot_precision(q.dtype), **cfg,
+        PAGE_SIZE=max(block_size, 1), DOT_PRECISION=_dot_precision(q.dtype),
+        UPCAST_BF16_DOT=q.device.type != "cuda" and q.dtype == torch.bfloat16, **cfg,
     )
     return out
 

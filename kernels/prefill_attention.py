@@ -11,12 +11,18 @@ sequence b lives in block block_tables[b, j // PAGE_SIZE] at offset j % PAGE_SIZ
 form is how a prompt's cached prefix (shared by its n samples) and earlier chunks of a chunked
 prefill are read.
 
-Math as in `paged_attention`: fp32 after loads, TF32 `tl.dot` on GPU for bf16/fp16 inputs (exact
-for Q.K^T), online base-2 softmax. The launcher, checks and reference are in `hybridengine.attention`.
+Math as in `paged_attention`, online base-2 softmax in fp32. `DOT_16BIT` (the launcher's default for
+bf16/fp16): both `tl.dot`s on the 16-bit tiles with fp32 accumulation, S = Q.K^T exact products; P enters
+P.V split in two 16-bit parts (`P_SPLIT`, 16 significant bits for bf16: the decode kernel's scheme) or,
+without P_SPLIT, rounded once to the input dtype (flash-attention's P, 8 bits for bf16; one MMA fewer per
+tile). `DOT_16BIT=False`: the previous path, fp32 upcast after the loads and TF32 dots (fp32 inputs always).
+The launcher, checks and reference are in `hybridengine.attention`.
 """
 
 import triton
 import triton.language as tl
+
+from .paged_attention import _dot_16bit
 
 
 @triton.jit
@@ -27,7 +33,7 @@ def prefill_attention_kernel(
     scale_log2, window, max_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_16BIT: tl.constexpr, P_SPLIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -49,7 +55,9 @@ def prefill_attention_kernel(
     d_ok = d < HEAD_DIM
     q_rows = (q_start + rows).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if not DOT_16BIT:
+        q = q.to(tl.float32)
 
     hi = tl.minimum(len_k, m0 + BLOCK_M + shift)  # one past the last row's own position
     lo = tl.maximum(m0 + shift - window + 1, 0)   # the first row's first visible key
@@ -71,8 +79,11 @@ def prefill_attention_kernel(
         else:
             k_off = (k_start + t).to(tl.int64) * stride_kt
             v_off = (k_start + t).to(tl.int64) * stride_vt
-        k = tl.load(K + k_off[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        k = tl.load(K + k_off[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_16BIT:
+            s = _dot_16bit(q, tl.trans(k), None, UPCAST_BF16_DOT) * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
         visible = t_ok[None, :] & (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -80,8 +91,14 @@ def prefill_attention_kernel(
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + v_off[:, None] + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        v = tl.load(V + v_off[:, None] + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_16BIT:
+            p_hi = p.to(v.dtype)
+            acc = _dot_16bit(p_hi, v, acc * alpha[:, None], UPCAST_BF16_DOT)
+            if P_SPLIT:  # p - p_hi is exact in fp32 (see kernels/paged_attention.py)
+                acc = _dot_16bit((p - p_hi.to(tl.float32)).to(v.dtype), v, acc, UPCAST_BF16_DOT)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m = m_new
 
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # a row that sees no key (len_k < len_q): zeros

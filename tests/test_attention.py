@@ -578,9 +578,15 @@ def prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, dtype, d
     return dict(q=q, k=None, v=None, k_cache=k_cache, v_cache=v_cache, block_tables=table, **kw)
 
 
-def check_prefill(args: dict, sliding_window=None) -> torch.Tensor:
+PREFILL_PATHS = [pytest.param(None, id="dot16"), pytest.param({"P_SPLIT": False}, id="dot16-p8"),
+                 pytest.param({"DOT_16BIT": False}, id="upcast")]
+"""The prefill kernel's dot paths: 16-bit dots with P split in two (the default), with P rounded once to the
+dtype (flash-attention's P), and the fp32 upcast with TF32 dots. Each within K_TOL of torch's own error."""
+
+
+def check_prefill(args: dict, sliding_window=None, config: dict | None = None) -> torch.Tensor:
     args = dict(args, scale=args["q"].shape[-1] ** -0.5, sliding_window=sliding_window)
-    out = A.prefill_attention_triton(**args)
+    out = A.prefill_attention_triton(**args, config=config)
     wide = {name: (t.double() if t is not None and t.is_floating_point() else t) for name, t in args.items()
             if isinstance(t, torch.Tensor) or t is None}
     exact = A.prefill_attention_ref(**{**args, **wide})
@@ -596,8 +602,16 @@ def check_prefill(args: dict, sliding_window=None) -> torch.Tensor:
     pytest.param(8, 2, 64, [3, 1, 17], [10, 7, 17], id="gqa4-bottom-right"),
     pytest.param(7, 1, 128, [18], [18], id="gqa7-d128"),
 ])
-def test_prefill_dense_matches_reference(device, num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, window):
-    check_prefill(prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, torch.bfloat16, device), window)
+@pytest.mark.parametrize("config", PREFILL_PATHS)
+def test_prefill_dense_matches_reference(device, num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, window, config):
+    check_prefill(prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, torch.bfloat16, device), window,
+                  config)
+
+
+@pytest.mark.parametrize("config", PREFILL_PATHS[:2])
+def test_prefill_fp16(device, config):
+    check_prefill(prefill_inputs(8, 2, 64, [3, 1, 17], [10, 7, 17], torch.float16, device), None, config)
+    check_prefill(prefill_inputs(8, 2, 64, [5, 9], [21, 9], torch.float16, device, block_size=4), 6, config)
 
 
 def test_prefill_rows_without_keys_are_zero(device):
@@ -613,11 +627,22 @@ def test_prefill_rows_without_keys_are_zero(device):
     # chunked prefill: this chunk of 7 after 20 tokens of earlier chunks; and a first chunk of 13
     pytest.param(7, 1, 128, 32, [7, 13], [27, 13], 0, id="chunked-gqa7-d128-bs32"),
 ])
+@pytest.mark.parametrize("config", PREFILL_PATHS)
 def test_prefill_paged_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens_q, lens_k,
-                                         shared, window):
+                                         shared, window, config):
     args = prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, torch.bfloat16, device,
                           block_size=block_size, shared_prefix_blocks=shared)
-    check_prefill(args, window)
+    check_prefill(args, window, config)
+
+
+@pytest.mark.parametrize("config,dtype,match", [
+    ({"BLOCK_K": 32}, torch.bfloat16, r"config has unknown keys \['BLOCK_K'\]"),
+    ({"DOT_16BIT": True}, torch.float32, "DOT_16BIT=True needs bf16/fp16 inputs"),
+])
+def test_prefill_bad_config(device, config, dtype, match):
+    args = dict(prefill_inputs(4, 2, 64, [3], [3], dtype, device), scale=0.125)
+    with pytest.raises(ValueError, match=match):
+        A.prefill_attention_triton(**args, config=config)
 
 
 def test_prefill_fp32(device):

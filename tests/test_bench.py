@@ -79,6 +79,13 @@ def test_ppo_e2e_suite_rows_on_cpu(tmp_path):
     assert any(r["provider"] == "deepspeed_zero3" and r["metric"] == "not_run" for r in rows)
 
 
+def test_prefill_attention_suite_rows_on_cpu(tmp_path):
+    """The prefill bench's plumbing on CPU: the reference and SDPA on one tiny case, TFLOP/s rows, no Triton."""
+    rows = run_suite(tmp_path, "prefill_attention", 1.0, 120)
+    measured = {(r["provider"], r["metric"]) for r in rows if r["bench"] == "prefill_attention"}
+    assert measured == {(p, m) for p in ("torch_ref", "sdpa") for m in ("seconds", "TFLOP_per_s")}
+
+
 def synthetic_rows(path: Path) -> None:
     rec = Recorder(path=path, run_id="r1", gpu="NVIDIA H200", num_gpus=2, commit="abc", versions={"triton": "3"})
     rec.add("hbm_copy", "torch_copy", None, {"bytes": 2**32}, "GB_per_s", [4000.0, 4200.0, 4100.0])
@@ -151,6 +158,12 @@ def synthetic_rows(path: Path) -> None:
     samp = {"batch": 128, "vocab": 152064, "dtype": "bf16", "logits_bytes": 38928384}
     rec.add("sampler", "hybridengine", None, {**samp, "splits": 5, "block": 1024}, "seconds", [3.0e-5])
     rec.add("sampler", "torch_sample", None, samp, "seconds", [3.0e-4])
+    pf = {"batch": 8, "length": 2048, "tokens": 16384, "q_heads": 28, "kv_heads": 4, "head_dim": 128, "dtype": "bf16"}
+    rec.add("prefill_attention", "hybridengine", "qwen2-7b", pf, "TFLOP_per_s", [200.0])
+    rec.add("prefill_attention", "torch_varlen", "qwen2-7b", pf, "TFLOP_per_s", [400.0])
+    rec.add("prefill_attention", "hybridengine", "qwen2-7b", {**pf, "sweep": True, "path": "dot16-p8", "BLOCK_M": 128,
+                                                              "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+            "TFLOP_per_s", [300.0])
     # Rows of benches this report has no section for must not break it.
     rec.add("new_bench", "torch_ref", None, {"size": 3}, "seconds", [2.5e-6])
 
@@ -164,7 +177,8 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     readme.write_text(f"# x\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
     text = report(rows, tmp_path / "out", readme).read_text()
     for heading in ("## Floors", "## Train -> generate switch", "## Unit gather", "## Rollout generation",
-                    "## Train step", "## Segment copy", "## Sampler", "## Paged decode attention", "## PPO / GRPO loss",
+                    "## Train step", "## Segment copy", "## Sampler", "## Paged decode attention", "## Prefill attention",
+                    "## PPO / GRPO loss",
                     "## Other benches", "## Not run", "## Runs"):
         assert heading in text
     # Ratios inside run r1: floor 6 * 7.6e9 * 4096 / 790 TFLOP/s = 0.236 s; fsdp2 0.51 s / 1.0 s = 0.51.
@@ -194,6 +208,9 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     assert "| new_bench | – | torch_ref | size=3 | seconds | 2.50 us (2.50–2.50) | r2 |" in text
     # Sampler: floor 38.9 MB / 4,000 GB/s = 9.73 us; 30 us / 9.73 = 3.08; torch 300 us / 30 = 10.
     assert "| 128 | hybridengine | 5 x 1024 | 30.0 us (30.0–30.0) | 9.73 us | 3.08 | 10.00 |" in text
+    # Prefill: 200 TFLOP/s of the 800 GEMM = 0.25, half of torch_varlen's 400; the sweep's 300 = 0.75 of it.
+    assert "| 8 x 2,048 | hybridengine | default | 200 (200–200) | 0.25 | 0.50 |" in text
+    assert "| 8 x 2,048 | hybridengine | dot16-p8 128x64, 8 warps, 2 stages | 300 (300–300) | 0.38 | 0.75 |" in text
     if importlib.util.find_spec("matplotlib"):
         assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == [
             "all_gather.png", "generate.png", "paged_attention.png", "ppo_loss.png", "segment_copy.png", "switch.png",
