@@ -640,11 +640,16 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tens
 
 
 def _prefill_config(q: torch.Tensor) -> dict:
-    # Untuned first choice on H200 (flash-attention-2 shapes; the lead tunes on the GPU). Under the
-    # interpreter, 16 x 16 tiles so that the tests' short sequences still span several tiles.
+    # H200 sweep (`python -m bench run --suite prefill_attention`, run 20261201T013708Z-8dc8, Qwen2-7B heads,
+    # 8 x 2048 tokens, bf16): 64 x 64 tiles, 4 warps, 3 stages, 16-bit dots with P rounded once (flash-
+    # attention's P) 257 TFLOP/s; P split in two at its best 215 (64 x 64, 4 warps, 2 stages); the previous
+    # default (fp32 upcast, TF32 dots, 8 warps) 48. torch's varlen flash attention 270 in the same run. The
+    # rollout's prefill feeds no cache and training's log-probs use flash's P as well, so the faster P wins here;
+    # decode keeps the split P. Under the interpreter, 16 x 16 tiles so that the tests' short sequences still
+    # span several tiles.
     if q.device.type != "cuda":
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if q.shape[-1] <= 64 else 8, num_stages=2)
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, P_SPLIT=False)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, P_SPLIT=False)
 
 
 PREFILL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "DOT_16BIT", "P_SPLIT")
@@ -659,7 +664,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.T
                              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """`prefill_attention` with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1). `config` overrides
     the launch (`PREFILL_CONFIG_KEYS`: tiles, warps, stages, DOT_16BIT (default True for bf16/fp16; fp32
-    inputs: False only), P_SPLIT (default True)); see kernels/prefill_attention.py."""
+    inputs: False only), P_SPLIT (default False)); see kernels/prefill_attention.py."""
     import triton
 
     from hybridengine.kernels.prefill_attention import prefill_attention_kernel
@@ -671,7 +676,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.T
     batch, num_q_heads, head_dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
         return out
-    cfg = dict(_prefill_config(q), DOT_16BIT=q.dtype != torch.float32, P_SPLIT=True)
+    cfg = dict(_prefill_config(q), DOT_16BIT=q.dtype != torch.float32)
     if config is not None:
         unknown = set(config) - set(PREFILL_CONFIG_KEYS)
         if unknown:

@@ -578,10 +578,11 @@ def prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, dtype, d
     return dict(q=q, k=None, v=None, k_cache=k_cache, v_cache=v_cache, block_tables=table, **kw)
 
 
-PREFILL_PATHS = [pytest.param(None, id="dot16"), pytest.param({"P_SPLIT": False}, id="dot16-p8"),
+PREFILL_PATHS = [pytest.param(None, id="dot16-p8"), pytest.param({"P_SPLIT": True}, id="dot16-psplit"),
                  pytest.param({"DOT_16BIT": False}, id="upcast")]
-"""The prefill kernel's dot paths: 16-bit dots with P split in two (the default), with P rounded once to the
-dtype (flash-attention's P), and the fp32 upcast with TF32 dots. Each within K_TOL of torch's own error."""
+"""The prefill kernel's dot paths: 16-bit dots with P rounded once to the dtype (flash-attention's P, the
+default), with P split in two (the decode kernel's scheme), and the fp32 upcast with TF32 dots. Each within
+K_TOL of torch's own error."""
 
 
 def check_prefill(args: dict, sliding_window=None, config: dict | None = None) -> torch.Tensor:
