@@ -787,7 +787,7 @@ def prefill_attention_section(rows: list[dict]) -> str:
             "8192^3 `torch.mm`; vs torch_varlen: this row's TFLOP/s / torch's varlen flash attention's (the "
             "training path's kernel). Launch: the Triton kernel's dot path (dot16: 16-bit dots, P split in two; "
             "dot16-p8: P rounded once to bf16, as flash-attention; upcast: fp32 with TF32 dots), tiles, warps, "
-            "stages; sweep rows on one case.\n\n"
+            "stages; sweep rows: every launch on one case, the best few on the others.\n\n"
             + table(["B x L", "provider", "launch", "TFLOP/s (p20–p80)", "of GEMM", "vs torch_varlen"], body))
 
 
@@ -1194,6 +1194,17 @@ def _readme_rows(rows: list[dict]) -> list[list[str]]:
                          f"{dur(p['value'])} ({sig(p_extra and p_extra['value'])} GiB)",
                          f"{ratio(p['value'], he['value'])}x",
                          "–", _where(he, p)])
+
+    pf = [r for r in latest(rows, "prefill_attention") if r["metric"] == "TFLOP_per_s" and not r["case"].get("sweep")]
+    for r in sorted((x for x in pf if x["provider"] == "hybridengine"), key=lambda x: x["case"]["length"]):
+        for provider, label in (("torch_varlen", "torch's varlen flash attention"), ("sdpa", "dense SDPA")):
+            if provider == "sdpa" and r["case"]["length"] != 2048:  # one case against SDPA keeps the table short
+                continue
+            p = pick(pf, provider=provider, case_length=r["case"]["length"], case_batch=r["case"]["batch"])
+            if p is not None:
+                body.append([f"Prefill attention TFLOP/s / {label}, Qwen2-7B heads, {r['case']['batch']} x "
+                             f"{r['case']['length']:,} tokens, causal", f"{sig(r['value'])} TFLOP/s",
+                             f"{sig(p['value'])} TFLOP/s", ratio(r["value"], p["value"]), "–", _where(r, p)])
 
     gen = [r for r in latest(rows, "generate") if r["provider"] == "hybridengine" and r["metric"] == "tokens_per_s"
            and _default_generate(r)]
