@@ -26,6 +26,49 @@ from .paged_attention import _dot_16bit
 
 
 @triton.jit
+def _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq, stride_bt_b, k_start, kv_head,
+          stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_block, stride_vc_block, max_blocks, scale_log2,
+          MASKED: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, DOT_16BIT: tl.constexpr, P_SPLIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr):
+    """One K/V tile of keys t0 .. t0 + BLOCK_N - 1 into the online softmax (m, l, acc). MASKED: the causal /
+    window / length mask per (row, key); without it every key of the tile is visible to every row."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    t_ok = (t >= 0) & (t < len_k)
+    if PAGED:
+        page_idx = t // PAGE_SIZE
+        t_ok = t_ok & (page_idx < max_blocks)
+        page = tl.load(Block_tables + seq * stride_bt_b + page_idx, mask=t_ok, other=0).to(tl.int64)
+        k_off = page * stride_kc_block + (t % PAGE_SIZE) * stride_kt
+        v_off = page * stride_vc_block + (t % PAGE_SIZE) * stride_vt
+    else:
+        k_off = (k_start + t).to(tl.int64) * stride_kt
+        v_off = (k_start + t).to(tl.int64) * stride_vt
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + k_off[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_16BIT:
+        s = _dot_16bit(q, tl.trans(k), None, UPCAST_BF16_DOT) * scale_log2
+    else:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        visible = t_ok[None, :] & (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays 0
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(V + v_off[:, None] + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_16BIT:
+        p_hi = p.to(v.dtype)
+        acc = _dot_16bit(p_hi, v, acc * alpha[:, None], UPCAST_BF16_DOT)
+        if P_SPLIT:  # p - p_hi is exact in fp32 (see kernels/paged_attention.py)
+            acc = _dot_16bit((p - p_hi.to(tl.float32)).to(v.dtype), v, acc, UPCAST_BF16_DOT)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def prefill_attention_kernel(
     Q, K, V, Cu_seqlens_q, Cu_seqlens_k, Block_tables, Out,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -62,44 +105,29 @@ def prefill_attention_kernel(
     hi = tl.minimum(len_k, m0 + BLOCK_M + shift)  # one past the last row's own position
     lo = tl.maximum(m0 + shift - window + 1, 0)   # the first row's first visible key
     lo = (lo // BLOCK_N) * BLOCK_N
+    # Tiles [full_lo, full_hi) are visible to every row of this query tile (past each row's window start,
+    # at or before each row's own position): they skip the mask. The ones before and after take it.
+    full_lo = tl.minimum(tl.maximum(lo, tl.cdiv(m0 + BLOCK_M - 1 + shift - window + 1, BLOCK_N) * BLOCK_N), hi)
+    full_hi = tl.maximum(tl.minimum((m0 + shift + 1) // BLOCK_N * BLOCK_N, hi), full_lo)
+    full_hi = tl.where(m0 + shift + 1 > 0, full_hi, full_lo)  # rows that see no key (len_k < len_q): no full tile
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for t0 in range(lo, hi, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        t_ok = (t >= 0) & (t < len_k)
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        if PAGED:
-            page_idx = t // PAGE_SIZE
-            t_ok = t_ok & (page_idx < max_blocks)
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            page = tl.load(Block_tables + seq * stride_bt_b + page_idx, mask=t_ok, other=0).to(tl.int64)
-            k_off = page * stride_kc_block + (t % PAGE_SIZE) * stride_kt
-            v_off = page * stride_vc_block + (t % PAGE_SIZE) * stride_vt
-        else:
-            k_off = (k_start + t).to(tl.int64) * stride_kt
-            v_off = (k_start + t).to(tl.int64) * stride_vt
-        k = tl.load(K + k_off[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_16BIT:
-            s = _dot_16bit(q, tl.trans(k), None, UPCAST_BF16_DOT) * scale_log2
-        else:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
-        visible = t_ok[None, :] & (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays 0
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + v_off[:, None] + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_16BIT:
-            p_hi = p.to(v.dtype)
-            acc = _dot_16bit(p_hi, v, acc * alpha[:, None], UPCAST_BF16_DOT)
-            if P_SPLIT:  # p - p_hi is exact in fp32 (see kernels/paged_attention.py)
-                acc = _dot_16bit((p - p_hi.to(tl.float32)).to(v.dtype), v, acc, UPCAST_BF16_DOT)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-        m = m_new
+    for t0 in range(lo, full_lo, BLOCK_N):
+        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq, stride_bt_b,
+                          k_start, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_block,
+                          stride_vc_block, max_blocks, scale_log2, True, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                          DOT_16BIT, P_SPLIT, UPCAST_BF16_DOT)
+    for t0 in range(full_lo, full_hi, BLOCK_N):
+        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq, stride_bt_b,
+                          k_start, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_block,
+                          stride_vc_block, max_blocks, scale_log2, False, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                          DOT_16BIT, P_SPLIT, UPCAST_BF16_DOT)
+    for t0 in range(tl.maximum(full_hi, lo), hi, BLOCK_N):
+        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq, stride_bt_b,
+                          k_start, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_block,
+                          stride_vc_block, max_blocks, scale_log2, True, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                          DOT_16BIT, P_SPLIT, UPCAST_BF16_DOT)
 
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # a row that sees no key (len_k < len_q): zeros
     tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
