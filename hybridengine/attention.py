@@ -384,6 +384,22 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     return max(1, min(want, math.ceil(max_context_len / DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
 
 
+def _launch_config(defaults: dict, config: dict | None, dtype: torch.dtype) -> dict:
+    """A kernel's launch: `defaults` with a tuning sweep's `config` over them, checked: known keys only, the
+    constexpr flags (DOT_16BIT, PREFETCH, P_SPLIT) bools, DOT_16BIT False for float32 inputs."""
+    unknown = set(config or {}) - set(defaults)
+    if unknown:
+        raise ValueError(f"config keys must be among {sorted(defaults)}, got {sorted(unknown)}")
+    cfg = defaults | (config or {})
+    for flag in ("PREFETCH", "P_SPLIT"):
+        if flag in cfg and not isinstance(cfg[flag], bool):
+            raise ValueError(f"config {flag} must be a bool, got {cfg[flag]!r}")
+    if not isinstance(cfg["DOT_16BIT"], bool) or (cfg["DOT_16BIT"] and dtype == torch.float32):
+        raise ValueError(f"config DOT_16BIT must be a bool, and False for float32 inputs, got "
+                         f"{cfg['DOT_16BIT']!r} with {dtype} inputs")
+    return cfg
+
+
 def _decode_config(device: torch.device, head_dim: int, split: bool = False, programs: int | None = None) -> dict:
     # Chosen on the real decode step (`python -m bench.profile_decode --kernel-configs`, H200, B = 128,
     # prompts 128 + 256 new tokens, async scheduling; bench/results/profiles/decode_kernel_configs_*):
@@ -451,17 +467,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, num_sms(q.device))
-    cfg = {"DOT_16BIT": q.dtype != torch.float32, "PREFETCH": False} | _decode_config(
-        q.device, head_dim, num_splits > 1, programs=batch * num_kv_heads)
-    unknown = set(config or {}) - set(cfg)
-    if unknown:
-        raise ValueError(f"config keys must be among {sorted(cfg)}, got {sorted(unknown)}")
-    cfg.update(config or {})
-    if not isinstance(cfg["PREFETCH"], bool):
-        raise ValueError(f"config PREFETCH must be a bool, got {cfg['PREFETCH']!r}")
-    if not isinstance(cfg["DOT_16BIT"], bool) or (cfg["DOT_16BIT"] and q.dtype == torch.float32):
-        raise ValueError(f"config DOT_16BIT must be a bool, and False for float32 inputs, got "
-                         f"{cfg['DOT_16BIT']!r} with {q.dtype} inputs")
+    cfg = _launch_config({"DOT_16BIT": q.dtype != torch.float32, "PREFETCH": False} | _decode_config(
+        q.device, head_dim, num_splits > 1, programs=batch * num_kv_heads), config, q.dtype)
     block_n = cfg.pop("BLOCK_N")
     num_partitions, partition_size = decode_partitions(max_context_len, num_splits, block_n)
     split = num_partitions > 1
@@ -647,13 +654,9 @@ def _prefill_config(q: torch.Tensor) -> dict:
     # rollout's prefill feeds no cache and training's log-probs use flash's P as well, so the faster P wins here;
     # decode keeps the split P. Under the interpreter, 16 x 16 tiles so that the tests' short sequences still
     # span several tiles.
-    if q.device.type != "cuda":
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, P_SPLIT=False)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, P_SPLIT=False)
-
-
-PREFILL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "DOT_16BIT", "P_SPLIT")
-"""What `prefill_attention_triton(config=...)` may override (the bench's tuning sweep)."""
+    tiles = (dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3) if q.device.type == "cuda"
+             else dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+    return dict(tiles, DOT_16BIT=q.dtype != torch.float32, P_SPLIT=False)
 
 
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
@@ -663,8 +666,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.T
                              max_seqlen_q: int, max_seqlen_k: int,
                              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """`prefill_attention` with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1). `config` overrides
-    the launch (`PREFILL_CONFIG_KEYS`: tiles, warps, stages, DOT_16BIT (default True for bf16/fp16; fp32
-    inputs: False only), P_SPLIT (default False)); see kernels/prefill_attention.py."""
+    the launch of `_prefill_config` (BLOCK_M, BLOCK_N, num_warps, num_stages, DOT_16BIT (default True for
+    bf16/fp16; fp32 inputs: False only), P_SPLIT (default False)); see kernels/prefill_attention.py."""
     import triton
 
     from hybridengine.kernels.prefill_attention import prefill_attention_kernel
@@ -676,14 +679,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.T
     batch, num_q_heads, head_dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
         return out
-    cfg = dict(_prefill_config(q), DOT_16BIT=q.dtype != torch.float32)
-    if config is not None:
-        unknown = set(config) - set(PREFILL_CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"config has unknown keys {sorted(unknown)}; allowed: {PREFILL_CONFIG_KEYS}")
-        if config.get("DOT_16BIT") and q.dtype == torch.float32:
-            raise ValueError("config DOT_16BIT=True needs bf16/fp16 inputs, got torch.float32")
-        cfg.update(config)
+    cfg = _launch_config(_prefill_config(q), config, q.dtype)
     paged = block_tables is not None
     if paged:
         k_src, v_src, bt = k_cache, v_cache, block_tables

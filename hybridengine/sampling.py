@@ -243,6 +243,12 @@ def fused_splits(rows: int, n_cols: int, block: int, device: torch.device) -> in
     return max(1, min(64, -(-4 * sms // rows), -(-n_cols // block)))
 
 
+def fused_chunks(n_cols: int, splits: int, block: int) -> tuple[int, int]:
+    """(columns per split, a whole number of blocks; splits once the empty ones are dropped)."""
+    chunk = -(-(-(-n_cols // splits)) // block) * block
+    return chunk, -(-n_cols // chunk)
+
+
 def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor, draws: torch.Tensor, *,
                  splits: int | None = None, block: int = 1024, col_offset: int = 0, n_valid: int | None = None,
                  group=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,9 +286,7 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
         splits = fused_splits(B, V, block, logits.device)
     if not isinstance(splits, int) or splits < 1:
         raise ValueError(f"sample_fused: splits must be an int >= 1, got {splits!r}")
-    chunk = -(-V // splits)
-    chunk = -(-chunk // block) * block
-    splits = -(-V // chunk)  # no empty split
+    chunk, splits = fused_chunks(V, splits, block)
     part = torch.empty(5, B, splits, dtype=torch.float32, device=logits.device)  # max, sum, best, column, s
     sample_partial_kernel[(B, splits)](logits, logits.stride(0), inv_temp, keys, draws, part, n_valid, chunk, col_offset,
                                        SPLITS=splits, BLOCK=block, num_warps=4)

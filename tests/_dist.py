@@ -1,9 +1,11 @@
 """Run a test worker in `world` gloo processes: fn(rank, world, init_file, *args, errors)."""
 
+import contextlib
 import gc
 import os
 import sys
 import tempfile
+import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -29,6 +31,20 @@ def finish(ok: bool) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+@contextlib.contextmanager
+def reporting(errors, label: str):
+    """The body of a spawned worker: an exception goes to the parent through `errors`, as `label` and its
+    traceback; then the process ends through `finish`, with the barrier when the body succeeded."""
+    ok = False
+    try:
+        yield
+        ok = True
+    except Exception:  # noqa: BLE001 - reported to the parent with the rank
+        errors.put(f"{label}: {traceback.format_exc()}")
+    finally:
+        finish(ok)
 
 
 def spawn(fn, world: int, *args) -> None:

@@ -637,8 +637,9 @@ def test_prefill_paged_matches_reference(device, num_q_heads, num_kv_heads, head
 
 
 @pytest.mark.parametrize("config,dtype,match", [
-    ({"BLOCK_K": 32}, torch.bfloat16, r"config has unknown keys \['BLOCK_K'\]"),
-    ({"DOT_16BIT": True}, torch.float32, "DOT_16BIT=True needs bf16/fp16 inputs"),
+    ({"BLOCK_K": 32}, torch.bfloat16, r"config keys must be among .*, got \['BLOCK_K'\]"),
+    ({"DOT_16BIT": True}, torch.float32, "config DOT_16BIT must be a bool, and False for float32 inputs"),
+    ({"P_SPLIT": 1}, torch.bfloat16, "config P_SPLIT must be a bool, got 1"),
 ])
 def test_prefill_bad_config(device, config, dtype, match):
     args = dict(prefill_inputs(4, 2, 64, [3], [3], dtype, device), scale=0.125)

@@ -293,13 +293,11 @@ def test_profile_switch_analyse():
 
 
 def _profile_switch_rank(rank, world, store, out, errors):
-    import traceback
-
     import torch.distributed as dist
-    from _dist import finish
+    from _dist import reporting
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with reporting(errors, f"rank {rank}"):
         from bench.profile_switch import run
 
         res = run("tiny-qwen2", torch.device("cpu"), Path(out), None)
@@ -308,10 +306,6 @@ def _profile_switch_rank(rank, world, store, out, errors):
             assert v["wall_ms"] > 0 and v["maps"] == 4 and v["nccl_kernels"] == 0, v
         if rank == 0:
             assert json.loads((Path(out) / "profile_switch.json").read_text())["world_size"] == 2
-    except Exception:  # noqa: BLE001 - reported to the parent with the rank
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-    finally:
-        finish(False)  # _dist.finish: ends the spawned process too
 
 
 def test_profile_switch_runs_on_cpu(tmp_path):

@@ -11,7 +11,7 @@ import hybridengine as he
 from hybridengine import checkpoint
 from hybridengine.checkpoint import full_state_dict
 
-from _dist import finish, spawn
+from _dist import reporting, spawn
 
 
 def build(name="tiny-qwen2", **overrides):
@@ -121,7 +121,7 @@ def test_errors(tmp_path):
 
 def _save_at(rank, world, init_file, tp, path, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with reporting(errors, f"save rank {rank}"):
         engine = engine_for(build(num_key_value_heads=4), tp)
         for step in range(2):
             engine.ppo_step(batch(step, rank), CFG)
@@ -130,12 +130,6 @@ def _save_at(rank, world, init_file, tp, path, errors):
         state = {k: natural_optimizer_state(engine, k) for k in ("exp_avg", "exp_avg_sq")}
         if rank == 0:
             torch.save(dict(weights=weights, state=state), os.path.join(os.path.dirname(path), "expected.pt"))
-    except Exception:  # noqa: BLE001
-        import traceback
-
-        errors.put(f"save rank {rank}: {traceback.format_exc()}")
-    finally:
-        finish(False)  # _dist.finish: ends the spawned process too
 
 
 def _check_load(engine, expected):
@@ -149,16 +143,10 @@ def _check_load(engine, expected):
 
 def _load_at(rank, world, init_file, tp, path, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with reporting(errors, f"load rank {rank} (N={world}, tg={tp})"):
         engine = he.HybridEngine.load(path, he.EngineConfig(dtype=torch.float32, device="cpu", tp_generation=tp,
                                                             max_model_len=64, max_num_seqs=4))
         _check_load(engine, torch.load(os.path.join(os.path.dirname(path), "expected.pt"), weights_only=False))
-    except Exception:  # noqa: BLE001
-        import traceback
-
-        errors.put(f"load rank {rank} (N={world}, tg={tp}): {traceback.format_exc()}")
-    finally:
-        finish(False)  # _dist.finish: ends the spawned process too
 
 
 def test_checkpoint_from_two_ranks_loads_at_one_and_four(tmp_path):

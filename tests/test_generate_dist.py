@@ -9,7 +9,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
-from _dist import finish, spawn
+from _dist import reporting, spawn
 
 PROMPT_LENS = [3, 9, 17, 6]
 
@@ -52,20 +52,12 @@ FUSED_PARAMS = [he.SamplingParams(n=2, temperature=0.0, max_tokens=8),
 
 def _worker(rank, world, init_file, name, tp, expected, errors, sampler="auto"):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    ok = False
-    try:
+    with reporting(errors, f"rank {rank}"):
         hf = build(name)
         engine = he.HybridEngine(hf, config(tp, sampler))
         got = run(engine, hf.config.vocab_size, params=FUSED_PARAMS if sampler == "fused" else None)
         if got != expected:
             errors.put(f"rank {rank} (N={world}, tg={tp}): {got} != {expected}")
-        ok = True
-    except Exception:  # noqa: BLE001
-        import traceback
-
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-    finally:
-        finish(ok)
 
 
 @pytest.mark.parametrize("name,world,tp", [("tiny-qwen2", 2, 1), ("tiny-qwen2", 2, 2), ("tiny-llama", 4, 2),

@@ -123,11 +123,10 @@ def test_sample_fused_rejects_bad_arguments():
 def _vocab_parallel_worker(rank, world, init_file, logits, inv, keys, draws, expected, errors):
     import torch.distributed as dist
 
-    from _dist import finish
+    from _dist import reporting
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    ok = False
-    try:
+    with reporting(errors, f"rank {rank}"):
         rows = -(-logits.shape[1] // world // 4) * 4  # a multiple of 4; the last rank's shard is zero-padded
         part = torch.zeros(logits.shape[0], rows, dtype=logits.dtype)
         mine = logits[:, rank * rows:(rank + 1) * rows]
@@ -138,13 +137,6 @@ def _vocab_parallel_worker(rank, world, init_file, logits, inv, keys, draws, exp
             errors.put(f"rank {rank}: tokens {tok.tolist()} != {expected[0].tolist()}")
         elif not torch.allclose(lp, expected[1], rtol=0, atol=1e-5):
             errors.put(f"rank {rank}: log-probs {lp.tolist()} != {expected[1].tolist()}")
-        ok = True
-    except Exception:  # noqa: BLE001
-        import traceback
-
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-    finally:
-        finish(ok)
 
 
 @pytest.mark.skipif(not _INTERP, reason="CPU tensors through the kernels: the interpreter")

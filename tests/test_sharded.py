@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hybridengine import ops
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _dist import finish, spawn  # noqa: E402
+from _dist import reporting, spawn  # noqa: E402
 from _models import MODELS, model_specs, reference_tp_slice  # noqa: E402
 
 pytestmark = pytest.mark.skipif(ops.EXTENSION_ERROR is not None, reason="hybridengine._C is not built")
@@ -150,30 +150,18 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_
 def _check_world(rank, world_size, init_file, model, dtype, *rest):
     *kwargs, errors = rest  # optional ShardedBuffer kwargs (a dict) before the error queue
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
+    with reporting(errors, f"rank {rank}"):
         check_sharded_buffer(rank, world_size, model, dtype, **(kwargs[0] if kwargs else {}))
-    except Exception:  # noqa: BLE001  (reported to the parent with the rank)
-        import traceback
-
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        finish(False)  # _dist.finish: ends the spawned process too
 
 
 def _mismatch(rank, world_size, init_file, errors):
     from hybridengine.sharded import ShardedBuffer
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
+    with reporting(errors, f"rank {rank}"):
         specs = model_specs(**MODELS["gqa-untied"], layers=1 + rank)  # rank 1 has an extra layer
-        ShardedBuffer(specs, dtype=torch.float32)
-        errors.put(f"rank {rank}: mismatched layouts did not raise")
-    except ValueError as e:
-        if "ranks [1] lay out a different model" not in str(e):
-            errors.put(f"rank {rank}: wrong error {e}")
-    finally:
-        finish(False)  # _dist.finish: ends the spawned process too
+        with pytest.raises(ValueError, match=r"ranks \[1\] lay out a different model"):
+            ShardedBuffer(specs, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])

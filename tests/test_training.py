@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
-from _dist import finish, spawn
+from _dist import reporting, spawn
 from _models import reference_tp_slice
 
 # hybridengine.ppo_loss the attribute is the function; the module holds the reference.
@@ -251,7 +251,7 @@ def test_errors():
 
 def _worker(rank, world, init_file, tp, overrides, batches, ref_losses, ref_weights, checkpointing, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with reporting(errors, f"rank {rank} (N={world}, tg={tp})"):
         engine, losses = engine_run(build(**overrides), batches, rank, tp, checkpointing)
         compare(losses, full_weights(engine), ref_losses, ref_weights)
         with engine.rollout():  # the optimizer's writes are what generation sees: no sync step
@@ -260,12 +260,6 @@ def _worker(rank, world, init_file, tp, overrides, batches, ref_losses, ref_weig
                 view = engine.sharded.generation_views()[s.name]
                 expected = reference_tp_slice(ref_weights[s.name], s.role, t, tp)
                 torch.testing.assert_close(view, expected, rtol=1e-5, atol=weight_atol(s.name))
-    except Exception:  # noqa: BLE001
-        import traceback
-
-        errors.put(f"rank {rank} (N={world}, tg={tp}): {traceback.format_exc()}")
-    finally:
-        finish(False)  # _dist.finish: ends the spawned process too
 
 
 @pytest.mark.parametrize("world,tp,checkpointing", [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True),
