@@ -84,7 +84,7 @@ def _phase_max(ctx: Ctx, phases: dict[str, float]) -> dict[str, float]:
 def ppo_e2e(ctx: Ctx) -> None:
     """hybridengine: rollout -> log-probs -> update on one engine (random init, embedded configs)."""
     import hybridengine as he
-    from hybridengine.algos import grpo_advantages
+    from hybridengine.train.advantages import grpo_advantages
 
     w = _work(ctx)
     models = ctx.models if ctx.cuda else ["tiny-qwen2"]
@@ -195,7 +195,7 @@ def ppo_e2e_deepspeed(ctx: Ctx) -> None:
         prompts = prompts.repeat_interleave(w.n, 0)
 
         def step(index: int, new_tokens: int) -> dict[str, float]:
-            from hybridengine.algos import grpo_advantages
+            from hybridengine.train.advantages import grpo_advantages
 
             t = {}
             engine.eval()

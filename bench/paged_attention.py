@@ -1,4 +1,4 @@
-"""Paged decode attention (`hybridengine.attention.paged_decode_attention`) against dense SDPA and FlexAttention.
+"""Paged decode attention (`hybridengine.ops.attention.paged_decode_attention`) against dense SDPA and FlexAttention.
 
 One decoder layer of Qwen2-7B on one GPU (tg = 1): 28 query heads, 4 kv heads, head_dim 128, bf16,
 one query token per sequence, every sequence of a case at the same context length. GB/s counts the
@@ -162,7 +162,7 @@ def _timed_config(ctx: Ctx, name: str, fn, expected: torch.Tensor, case: dict, f
 
 
 def paged_attention(ctx: Ctx) -> None:
-    from hybridengine import attention
+    from hybridengine.ops import attention
 
     cases = [(b, c) for c in CONTEXTS_GPU for b in BATCHES_GPU] if ctx.cuda else list(CASES_CPU)
     flush = _flush_buffer(ctx) if ctx.cuda else None
@@ -232,7 +232,7 @@ two split factors only, to keep the sweep's length."""
 def paged_attention_sweep(ctx: Ctx) -> None:
     """Launch-config sweep of the Triton decode kernel (tile BLOCK_N, warps, pipeline stages, split
     count, dot path) on the cases that decide the defaults; rows carry case sweep=True. GPU only."""
-    from hybridengine import attention
+    from hybridengine.ops import attention
 
     if not ctx.cuda:
         ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "sweep: GPU only", sweep=True)
@@ -295,7 +295,7 @@ def paged_attention_splits(ctx: Ctx) -> None:
     """Split count x tile config where split-K decides the time (small batches, long contexts), beside
     dense SDPA in the same run. Rows carry case sweep="splits". GPU only. (Run 20261130T201033Z-1199
     also timed a merge in the last partition program, case fused_reduce: slower everywhere, removed.)"""
-    from hybridengine import attention
+    from hybridengine.ops import attention
 
     if not ctx.cuda:
         ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "split sweep: GPU only", sweep="splits")
@@ -374,7 +374,7 @@ def paged_attention_prefetch(ctx: Ctx) -> None:
     once; it is not a floor: dense SDPA beats it at the 1.5B shapes) and `read_kernel` (a plain Triton
     read of the same bytes, the fastest of READ_CONFIGS: the floor). Rows carry case sweep="prefetch" and
     the model whose heads they use. GPU only."""
-    from hybridengine import attention
+    from hybridengine.ops import attention
 
     if not ctx.cuda:
         ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "prefetch sweep: GPU only", sweep="prefetch")

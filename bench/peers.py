@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridengine.configs import model_config
+from hybridengine.model.presets import model_config
 
 from .common import Ctx, PeakMemory, generate, quantiles, random_ids, record_generate, record_train, release_memory
 

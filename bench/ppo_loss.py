@@ -1,4 +1,4 @@
-"""The fused PPO/GRPO loss over the LM head (`hybridengine.ppo_loss`), forward + backward, and its peers.
+"""The fused PPO/GRPO loss over the LM head (`hybridengine.ops.ppo_loss`), forward + backward, and its peers.
 
 Shapes: Qwen2-7B's LM head (H = 3584, V = 152064, bf16) and M in {8k, 32k, 128k} response tokens as
 M / 1024 sequences of 1024 (CPU: H = 64, V = 1000, M in {256, 1024}). The loss is GRPO-like: clip
@@ -46,8 +46,8 @@ SECONDS_PER_PROVIDER = 15.0
 
 
 def _module():
-    # `hybridengine.ppo_loss` is also the op's name in the package namespace: fetch the module itself.
-    return importlib.import_module("hybridengine.ppo_loss")
+    # `hybridengine.ops.ppo_loss` is also the op's name in the package namespace: fetch the module itself.
+    return importlib.import_module("hybridengine.ops.ppo_loss")
 
 
 def make_inputs(ctx: Ctx, tokens: int, hidden_size: int, vocab: int, seq: int, seed: int = 0) -> dict:

@@ -45,7 +45,7 @@ def causal_flops(batch: int, length: int) -> float:
 
 
 def prefill_attention(ctx: Ctx) -> None:
-    from hybridengine import attention as A
+    from hybridengine.ops import attention as A
 
     cases = CASES_GPU if ctx.cuda else ((2, 24),)
     for batch, length in cases:
@@ -111,7 +111,7 @@ def _sweep(ctx: Ctx, A, args: dict, case: dict, flops: float, ref: torch.Tensor,
 
 def _torch_varlen(q, k, v, cu, length):
     """A call of torch's varlen flash attention on these inputs, or None where this torch lacks it."""
-    from hybridengine.training import _varlen_api
+    from hybridengine.train.trainer import _varlen_api
 
     api = _varlen_api()
     if api is None:

@@ -18,7 +18,7 @@ CONFIGS = (None, dict(PREFETCH=True), dict(BLOCK_N=64, num_stages=1, PREFETCH=Tr
 
 
 def main() -> None:
-    from hybridengine import attention
+    from hybridengine.ops import attention
     from hybridengine.kernels import paged_attention as kernels
 
     dev = torch.device("cuda")

@@ -27,7 +27,7 @@ VOCAB = 151936
 
 def main(argv=None) -> dict:
     from hybridengine.kernels.sampling import sample_partial_kernel
-    from hybridengine.sampling import fused_chunks, fused_splits
+    from hybridengine.rollout.sampler import fused_chunks, fused_splits
 
     from .common import graph_seconds, quantiles
 

@@ -51,8 +51,8 @@ def category(name: str, cat: str) -> str:
 def ranges(kinds: list[bool]):
     """record_function ranges around the engine's stages; `kinds` gets is_prefill of each schedule()."""
     import hybridengine.engine as eng
-    from hybridengine.runner import ModelRunner
-    from hybridengine.scheduler import Scheduler
+    from hybridengine.rollout.runner import ModelRunner
+    from hybridengine.rollout.scheduler import Scheduler
 
     def wrap(fn, name, after=None):
         @functools.wraps(fn)
@@ -219,10 +219,10 @@ def main(argv=None) -> dict:
 
 def _time_kernel_configs(engine, ids, params, args) -> dict:
     """The unprofiled decode step with each paged-decode launch config (patched into
-    `hybridengine.attention._decode_config` from outside; a rollout each, so its CUDA graphs capture
+    `hybridengine.ops.attention._decode_config` from outside; a rollout each, so its CUDA graphs capture
     that config): the real decode's contexts, block layout and L2 state, which the kernel sweep's
     synthetic shapes only approximate."""
-    from hybridengine import attention
+    from hybridengine.ops import attention
 
     original = attention._decode_config
     results = []

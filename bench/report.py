@@ -21,7 +21,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from hybridengine.configs import MODEL_CONFIGS
+from hybridengine.model.presets import MODEL_CONFIGS
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DATASHEET = {"hbm_copy": 4800.0, "gemm": 989.0}

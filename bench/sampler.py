@@ -15,7 +15,7 @@ BATCHES_GPU = (1, 16, 64, 128, 256)
 
 
 def sampler(ctx: Ctx) -> None:
-    from hybridengine.sampling import SamplingParams, fused_splits, sample, sample_fused
+    from hybridengine.rollout.sampler import SamplingParams, fused_splits, sample, sample_fused
 
     if not ctx.cuda:
         ctx.rec.not_run("sampler", "hybridengine", None, "GPU only (the CPU runs the kernels in the interpreter)")

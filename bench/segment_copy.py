@@ -26,8 +26,8 @@ def layer_table(model: str) -> tuple[torch.Tensor, int, int]:
     """(unpack table, slice-major numel, natural numel) of decoder layer 0 for N = 2, tg = 2."""
     from transformers import AutoModelForCausalLM
 
-    from hybridengine.configs import model_config
-    from hybridengine.layout import ShardedLayout, param_specs
+    from hybridengine.model.presets import model_config
+    from hybridengine.sharding.layout import ShardedLayout, param_specs
 
     cfg = model_config(model)
     with torch.device("meta"):

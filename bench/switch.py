@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hybridengine.sharded import _all_gather
+from hybridengine.sharding.sharded import _all_gather
 
 from .common import GiB, Ctx, nvml_used_gib, quantiles
 
@@ -21,7 +21,7 @@ def _specs(model: str):
     from transformers import AutoModelForCausalLM
 
     from hybridengine import model_config
-    from hybridengine.layout import param_specs
+    from hybridengine.sharding.layout import param_specs
 
     cfg = model_config(model)
     with torch.device("meta"):
@@ -85,7 +85,7 @@ def _to_gen_after_idle(ctx: Ctx, buf, ahead: bool = False) -> tuple[list[float],
 
 
 def switch(ctx: Ctx) -> None:
-    from hybridengine.sharded import ShardedBuffer
+    from hybridengine.sharding.sharded import ShardedBuffer
 
     if ctx.world < 2:
         ctx.rec.not_run("switch", "hybridengine", None, "needs >= 2 ranks")
@@ -248,7 +248,7 @@ def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
 
 def unit_gather(ctx: Ctx) -> None:
     """One decoder layer: hybridengine gather (+ unpack for tg > 1) vs raw all-gather vs FSDP2 unshard."""
-    from hybridengine.sharded import ShardedBuffer
+    from hybridengine.sharding.sharded import ShardedBuffer
 
     if ctx.world < 2:
         ctx.rec.not_run("unit_gather", "hybridengine", None, "needs >= 2 ranks")
@@ -320,7 +320,7 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4, lookahead: i
     stream) and consumed in order, time per layer; against the same number of raw all-gathers of a
     layer's bytes back to back. lookahead None: every layer prefetched before the first is consumed;
     1: layer u + 1 prefetched just before layer u is consumed, as a training forward does."""
-    from hybridengine.sharded import ShardedBuffer
+    from hybridengine.sharding.sharded import ShardedBuffer
 
     names = {f"layers.{i}" for i in range(layers)}
     sub = [s for s in specs if s.unit in names]

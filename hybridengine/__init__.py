@@ -1,18 +1,22 @@
-"""hybridengine: one sharded parameter buffer for RL rollout and training."""
+"""hybridengine: one sharded parameter buffer for RL rollout and training.
 
-from .buffer import FlatParamBuffer
-from .configs import MODEL_CONFIGS, model_config
-from .engine import CompletionOutput, EngineConfig, HybridEngine, RequestOutput
-from .layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
-from .loading import load_model
-from .model import CausalLM, ModelConfig, RopeConfig
-from .ppo_loss import ppo_loss, token_logprobs, value_loss
-from .sampling import SamplingParams
-from .training import PPOBatch, PPOConfig, ValueConfig
+Rooms: `model` (the decoder, loading, TP), `rollout` (scheduler, KV cache, runner, sampler), `train`
+(batches, trainer, optimizer, advantages), `sharding` (layout, flat buffer, generation memory, the
+switch, checkpoints) and `ops` (one op per file, with its plain-torch reference). `engine` is the
+only module that knows both halves.
+"""
+
+from hybridengine.engine import CompletionOutput, EngineConfig, HybridEngine, RequestOutput
+from hybridengine.model import MODEL_CONFIGS, CausalLM, ModelConfig, RopeConfig, load_model, model_config
+from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
+from hybridengine.rollout.sampler import SamplingParams
+from hybridengine.sharding.buffer import FlatParamBuffer
+from hybridengine.sharding.layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
+from hybridengine.train.trainer import PPOBatch, PPOConfig, ValueConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["FlatParamBuffer", "MODEL_CONFIGS", "model_config", "ParamSpec", "ShardedLayout",
-           "param_specs", "tp_role", "unit_of", "load_model", "HybridEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "PPOBatch", "PPOConfig", "ValueConfig", "CausalLM", "ModelConfig", "RopeConfig", "ppo_loss", "token_logprobs", "value_loss",
-           "__version__"]
+__all__ = ["CausalLM", "CompletionOutput", "EngineConfig", "FlatParamBuffer", "HybridEngine", "MODEL_CONFIGS",
+           "ModelConfig", "PPOBatch", "PPOConfig", "ParamSpec", "RequestOutput", "RopeConfig", "SamplingParams",
+           "ShardedLayout", "ValueConfig", "__version__", "load_model", "model_config", "param_specs", "ppo_loss",
+           "tp_role", "token_logprobs", "unit_of", "value_loss"]

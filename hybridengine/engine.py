@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .buffer import FlatParamBuffer
-from .loading import load_model
-from .model import CausalLM
-from .runner import KVCache, ModelRunner
-from .sampling import SamplingParams, _to_device, sample, sample_fused
-from .tp import TP_ALL_REDUCE, local_config, make_all_reduce, parallelize
-from .scheduler import PLACEHOLDER, BlockManager, Scheduler, Sequence, Status
+from hybridengine.sharding.buffer import FlatParamBuffer
+from hybridengine.model.loading import load_model
+from hybridengine.model.decoder import CausalLM
+from hybridengine.rollout.runner import KVCache, ModelRunner
+from hybridengine.rollout.sampler import SamplingParams, _to_device, sample, sample_fused
+from hybridengine.model.tensor_parallel import TP_ALL_REDUCE, local_config, make_all_reduce, parallelize
+from hybridengine.rollout.scheduler import PLACEHOLDER, BlockManager, Scheduler, Sequence, Status
 
 
 def _hf_config_dict(source) -> dict | None:
@@ -88,7 +88,7 @@ class EngineConfig:
     the same either way."""
     fused_training: bool = True
     """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
-    `hybridengine.fused` instead of eager torch (fewer kernels, fewer saved tensors). In `python -m bench
+    `hybridengine.ops.fused` instead of eager torch (fewer kernels, fewer saved tensors). In `python -m bench
     run --suite train_step --gpus 2` (2 x H200, run 20261130T142923Z-af59, both settings in the run) it
     made the step 4-10% faster (1.5B and 7B, checkpointing on and off) and the 7B peak with
     checkpointing off 8% lower. Ignored on CPU (eager torch there)."""
@@ -187,7 +187,7 @@ class HybridEngine:
         self.stats: dict[str, float] = {}
 
     def _build_sharded(self, source) -> CausalLM:
-        from .sharded import ShardedBuffer
+        from hybridengine.sharding.sharded import ShardedBuffer
 
         cfg = self.config
         # Alone, the full model is built on the target device; sharded, each rank builds it on the CPU
@@ -227,20 +227,20 @@ class HybridEngine:
 
     def save(self, path) -> None:
         """Sharded state (weights, optimizer, step, RNG, config) to a folder, atomically; every rank calls it."""
-        from .checkpoint import save
+        from hybridengine.sharding.checkpoint import save
 
         save(self, path)
 
     @classmethod
     def load(cls, path, config: EngineConfig | None = None) -> "HybridEngine":
         """An engine restored from `save`, at this process's world size (and `config`'s TP degree)."""
-        from .checkpoint import load
+        from hybridengine.sharding.checkpoint import load
 
         return load(path, config=config)
 
     def export_hf(self, path) -> None:
         """config.json + model.safetensors for transformers' from_pretrained (rank 0 writes)."""
-        from .checkpoint import export_hf
+        from hybridengine.sharding.checkpoint import export_hf
 
         export_hf(self, path)
 
@@ -271,7 +271,7 @@ class HybridEngine:
     # -- training -------------------------------------------------------------------------------------
 
     def _trainer(self, cfg=None):
-        from .training import Trainer
+        from hybridengine.train.trainer import Trainer
 
         if self._runner is not None:
             raise RuntimeError("training calls (log_probs, ppo_step) are not allowed inside rollout()")
@@ -291,14 +291,14 @@ class HybridEngine:
 
     def value_step(self, batch, config=None) -> dict:
         """Critic: one optimizer step with `he.value_loss` (batch.old_values, batch.returns, response_mask)."""
-        from .training import ValueConfig
+        from hybridengine.train.trainer import ValueConfig
 
         config = config if config is not None else ValueConfig()
         return self._trainer(config).value_step(batch, config)
 
     def ppo_step(self, batch, config=None) -> dict:
         """One PPO/GRPO optimizer step on this rank's batch: returns loss, metrics, grad_norm, lr, step_s."""
-        from .training import PPOConfig
+        from hybridengine.train.trainer import PPOConfig
 
         config = config if config is not None else PPOConfig()
         return self._trainer(config).ppo_step(batch, config)

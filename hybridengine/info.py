@@ -39,7 +39,7 @@ def _gpus() -> list[str]:
 
 
 def info() -> str:
-    from . import __version__, ops
+    from hybridengine import __version__, ops
 
     ext = "not built: " + ops.EXTENSION_ERROR if ops.EXTENSION_ERROR else (
         "built, CUDA ops: " + ("yes" if ops.extension_has("segment_copy", "cuda") else "no (CPU-only build)"))
@@ -56,7 +56,8 @@ def info() -> str:
         "implementations:",
     ]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    from . import attention, fused
+    from hybridengine.ops import attention
+    from hybridengine.ops import fused
 
     for dev in devices:
         for source in (ops, attention, fused):

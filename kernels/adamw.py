@@ -1,8 +1,8 @@
-"""Fused AdamW step of one flat unit (`hybridengine.optim.FlatAdamW`): one pass reads grad,
+"""Fused AdamW step of one flat unit (`hybridengine.train.optimizer.FlatAdamW`): one pass reads grad,
 moments, master weights and the decay mask, and writes moments, master and the rounded weights
 (a split master: the bf16 weights are its high half, an int16 tensor its low half).
 
-The math and its operation order are `hybridengine.optim.adamw_step_ref`'s, with the same fp32
+The math and its operation order are `hybridengine.train.optimizer.adamw_step_ref`'s, with the same fp32
 host scalars (`adamw_scalars`), IEEE division and square root (`div_rn`, `sqrt_rn`) and no fp
 contraction (`enable_fp_fusion=False`), so kernel and reference agree bit for bit on any backend.
 The extra ALU work is free: at 31 B per element (bf16 weights) the kernel is bound by HBM.
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridengine.optim import adamw_scalars, check_unit
+from hybridengine.train.optimizer import adamw_scalars, check_unit
 
 BLOCK_SIZE = 2048
 """Elements per program: 8 per thread at 8 warps (two 16-byte loads per fp32 stream). Not tuned on

@@ -3,9 +3,9 @@ embedding of q and k, SiLU(gate) * up.
 
 Each replaces a chain of eager torch kernels (RMSNorm alone is seven: cast, square, mean, add,
 rsqrt, multiply, cast, scale) with one pass, and rounds where eager torch rounds, so the outputs
-are those of the module code in hybridengine.model up to the order of one fp32 sum (RMSNorm) and
+are those of the module code in hybridengine.model.decoder up to the order of one fp32 sum (RMSNorm) and
 the fp32 exp (SiLU). The launchers, checks and plain-torch references are in
-`hybridengine.fused`.
+`hybridengine.ops.fused`.
 """
 
 import triton

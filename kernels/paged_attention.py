@@ -34,7 +34,7 @@ meeting the same math in the same order (outputs bit-identical to the plain loop
 software-pipelines the plain loop on Hopper (cp.async, `num_stages`); the prefetch helps only launches of
 few programs per SM, with 8 warps (`DECODE_PREFETCH_PROGRAMS`).
 
-The launcher, its checks and the reference are in `hybridengine.attention`.
+The launcher, its checks and the reference are in `hybridengine.ops.attention`.
 """
 
 import triton

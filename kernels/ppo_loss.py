@@ -1,7 +1,7 @@
 """Row kernels of the fused PPO loss: softmax statistics of a chunk of logits, and the logits'
 gradient written in place.
 
-The LM-head matmuls stay in cuBLAS (`hybridengine.ppo_loss` drives the chunk loop); these two
+The LM-head matmuls stay in cuBLAS (`hybridengine.ops.ppo_loss` drives the chunk loop); these two
 kernels do the part of a log-softmax that torch would spread over ~10 full-size elementwise
 passes. Both stream each row in `BLOCK_V` slices and compute in fp32 after the load (bf16
 arithmetic in the Triton interpreter is silently wrong, and fp32 is what the math needs anyway).

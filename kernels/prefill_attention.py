@@ -16,7 +16,7 @@ bf16/fp16): both `tl.dot`s on the 16-bit tiles with fp32 accumulation, S = Q.K^T
 P.V rounded once to the input dtype (flash-attention's P, 8 significant bits for bf16: the launcher's
 default, 1.2x faster on the H200) or, with `P_SPLIT`, split in two 16-bit parts (16 bits for bf16, the
 decode kernel's scheme; one MMA more per tile). `DOT_16BIT=False`: the previous path, fp32 upcast after the loads and TF32 dots (fp32 inputs always).
-The launcher, checks and reference are in `hybridengine.attention`.
+The launcher, checks and reference are in `hybridengine.ops.attention`.
 """
 
 import triton

@@ -3,7 +3,7 @@ give each row's sampled token (the exponential race with Philox noise drawn in t
 log-prob and its greedy argmax; a combine kernel merges the splits.
 
 The launcher, its checks and the plain-torch reference (the same Philox in int64 arithmetic) are in
-`hybridengine.sampling` (`sample_fused`, `sample_fused_ref`).
+`hybridengine.rollout.sampler` (`sample_fused`, `sample_fused_ref`).
 """
 
 import triton

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from hybridengine.layout import param_specs
+from hybridengine.sharding.layout import param_specs
 
 
 def model_specs(hidden, heads, kv_heads, head_dim, inter, vocab, layers=2, tied=False, qkv_bias=True, qk_norm=False):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hybridengine as he
-from hybridengine.tp import SymmAllReduce
+from hybridengine.model.tensor_parallel import SymmAllReduce
 
 
 def check_all_reduce(rank: int, group) -> None:

@@ -1,4 +1,4 @@
-"""`hybridengine.algos` against straightforward per-element loops written here.
+"""`hybridengine.train.advantages` against straightforward per-element loops written here.
 
 The loops run on Python floats (fp64: the truth) or on 0-dim fp32 tensors (the same-dtype
 reference: every operation rounded to fp32, in textbook order). fp32 results may be off the truth
@@ -14,7 +14,7 @@ import statistics
 import pytest
 import torch
 
-from hybridengine.algos import broadcast_to_tokens, gae, grpo_advantages, whiten
+from hybridengine.train.advantages import broadcast_to_tokens, gae, grpo_advantages, whiten
 
 U32 = 2.0**-24
 

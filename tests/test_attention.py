@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from hybridengine import attention as A
+from hybridengine.ops import attention as A
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 K_TOL = {torch.bfloat16: 1.0, torch.float16: 1.0, torch.float32: 2.0}
@@ -282,7 +282,7 @@ def test_rope_store_kv_matches_reference(device, num_q_heads, num_kv_heads, head
 
 def test_rope_store_kv_equals_rope_then_store(device):
     """The fused kernel against the two kernels it replaces (fused.rope_triton_, store_kv_triton), bit for bit."""
-    from hybridengine import fused
+    from hybridengine.ops import fused
 
     _, q, k, v, cos, sin, slots = _rope_store_inputs(9, 12, 2, 64, 4, 6, torch.bfloat16, device)
     k_cache, v_cache = poisoned_cache(6, 4, 2, 64, torch.bfloat16, device)

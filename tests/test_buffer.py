@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hybridengine import FlatParamBuffer, ShardedLayout
-from hybridengine.layout import param_specs
+from hybridengine.sharding.layout import param_specs
 
 SHAPES = [("model.embed_tokens.weight", (10, 6)), ("model.layers.0.self_attn.q_proj.weight", (6, 6)),
           ("model.layers.0.input_layernorm.weight", (6,)), ("model.norm.weight", (6,)), ("lm_head.weight", (10, 6))]

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
-from hybridengine import checkpoint
-from hybridengine.checkpoint import full_state_dict
+from hybridengine.sharding import checkpoint
+from hybridengine.sharding.checkpoint import full_state_dict
 
 from _dist import reporting, spawn
 
@@ -162,8 +162,8 @@ def test_checkpoint_from_two_ranks_loads_at_one_and_four(tmp_path):
 def test_checkpoint_in_the_old_parameter_order_loads(tmp_path, monkeypatch):
     """A checkpoint written before layout.param_specs put each unit's matrices first (module order)
     loads into today's layout: weights and optimizer state by name, bitwise."""
-    import hybridengine.layout as layout_mod
-    import hybridengine.model as model_mod
+    import hybridengine.sharding.layout as layout_mod
+    import hybridengine.model.decoder as model_mod
 
     def module_order(named_shapes, head_dim=None):  # param_specs without the reordering
         specs = []

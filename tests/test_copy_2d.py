@@ -18,7 +18,7 @@ def strided_table(rows: int, width: int, src_pitch: int, dst_pitch: int, src0: i
 
 def _layout_tables():
     """Unpack and pack tables of real resharding layouts: tiny odd-sized models, tg 2 and 3."""
-    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharding.layout import ShardedLayout
     from test_sharded import MODELS, model_specs
 
     for name, tp in (("odd-hidden", 3), ("gqa-untied", 2), ("tied-no-bias", 2)):
@@ -77,7 +77,7 @@ def test_layout_tables_match_segment_copy(case):
 
 
 def test_row_parallel_layout_is_few_runs():
-    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharding.layout import ShardedLayout
     from test_sharded import MODELS, model_specs
 
     layout = ShardedLayout(model_specs(**MODELS["gqa-untied"]), world_size=2, tp_size=2, element_size=4)

@@ -1,4 +1,4 @@
-"""The fused rollout elementwise kernels (hybridengine.fused) against their plain-torch references,
+"""The fused rollout elementwise kernels (hybridengine.ops.fused) against their plain-torch references,
 under the Triton interpreter on CPU and on the GPU; and the model's fused paged forward against the
 eager one.
 
@@ -13,7 +13,7 @@ output's magnitude (|x| * eps bounds one ulp at x). Copies and single roundings 
 import pytest
 import torch
 
-from hybridengine import fused
+from hybridengine.ops import fused
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Every test here runs on the GPU (marked `gpu`) and, on a machine without one, on CPU under the
@@ -122,8 +122,8 @@ def test_model_fused_paged_forward_matches_eager(device, monkeypatch):
     store's: under the interpreter on CPU) against the eager module code, on a tiny Qwen3 (q/k norms) and
     Qwen2 (q/k/v biases), fp32: logits within a few fp32 ulps of accumulated elementwise differences."""
     import hybridengine as he
-    from hybridengine import attention
-    from hybridengine.runner import AttentionMetadata, KVCache
+    from hybridengine.ops import attention
+    from hybridengine.rollout.runner import AttentionMetadata, KVCache
 
     monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
     monkeypatch.setattr(attention, "rope_store_kv", attention.rope_store_kv_triton)  # the kernel, also on CPU

@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
-from hybridengine import sampling
-from hybridengine.sampling import SamplingParams, _to_device, sample, sample_ref
-from hybridengine.scheduler import BlockManager, Sequence
+from hybridengine.rollout import sampler as sampling
+from hybridengine.rollout.sampler import SamplingParams, _to_device, sample, sample_ref
+from hybridengine.rollout.scheduler import BlockManager, Sequence
 
 PROMPT_LENS = [3, 9, 17, 6]
 
@@ -141,7 +141,7 @@ def test_async_scheduling_gives_the_same_outputs(blocks, max_num_seqs):
 def test_decodes_next_predicts_a_plain_decode():
     """Scheduler.decodes_next() is True exactly when schedule() then returns a decode of every running
     sequence with no admission and no preemption."""
-    from hybridengine.scheduler import Scheduler
+    from hybridengine.rollout.scheduler import Scheduler
 
     for blocks, max_seqs in ((40, 8), (10, 8), (40, 3)):
         sched = Scheduler(BlockManager(blocks, 4), max_num_seqs=max_seqs, max_num_batched_tokens=64)
@@ -200,7 +200,7 @@ def test_generate_outside_rollout_and_bad_params():
 def test_tp_all_reduce_modes_on_cpu():
     """'nccl' and 'auto' off CUDA give no symmetric-memory all-reduce (dist.all_reduce); 'symm_mem' off
     CUDA is an error that says why. (tests/dist_generate.py checks the CUDA path against NCCL.)"""
-    from hybridengine.tp import make_all_reduce
+    from hybridengine.model.tensor_parallel import make_all_reduce
 
     kw = dict(capacity=64, dtype=torch.float32, device=torch.device("cpu"))
     assert make_all_reduce("nccl", None, **kw) is None
@@ -228,7 +228,7 @@ def test_prepare_rollout_then_rollout():
 def test_admission_counts_a_prompts_samples():
     """A prompt awaiting its fork into n samples takes n of max_num_seqs: a decode batch never exceeds it
     (9 sequences once ran in a batch of max_num_seqs=8, past the largest CUDA graph bucket)."""
-    from hybridengine.scheduler import Scheduler
+    from hybridengine.rollout.scheduler import Scheduler
 
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=1024)
     for i, fork in enumerate([1, 3, 1, 3, 1]):
@@ -366,8 +366,8 @@ def test_decode_inputs_follow_forks_copy_on_write_preemption_and_finishes():
     at every step of a run with forks, copy-on-write, preemptions and sequences finishing mid-batch."""
     from types import SimpleNamespace
 
-    from hybridengine.runner import KVCache, ModelRunner
-    from hybridengine.scheduler import Scheduler
+    from hybridengine.rollout.runner import KVCache, ModelRunner
+    from hybridengine.rollout.scheduler import Scheduler
 
     bs, max_len = 4, 40
     kv = KVCache(num_layers=1, num_blocks=16, block_size=bs, num_kv_heads=1, head_dim=2, dtype=torch.float32,
@@ -423,7 +423,7 @@ def test_profile_decode_times_kernel_configs_on_cpu(tmp_path):
     import json
 
     from bench import profile_decode
-    from hybridengine import attention
+    from hybridengine.ops import attention
 
     original = attention._decode_config
     profile_decode.main(["--model", "tiny-qwen2", "--batch", "2", "--prompt", "5", "--new-tokens", "3",
@@ -547,7 +547,7 @@ def test_cuda_kv_cache_is_capped_by_what_running_sequences_can_hold(monkeypatch)
     import math
 
     import hybridengine.engine as engine_module
-    from hybridengine.runner import KVCache
+    from hybridengine.rollout.runner import KVCache
 
     engine, _ = make_engine("tiny-qwen2")  # max_num_seqs=8, max_model_len=64, block_size=4
     c = engine.config
@@ -584,8 +584,8 @@ def test_async_decode_guards():
     """The async-decode guards: prev_tokens on a prefill, a placeholder id with no device ids, a sequence
     missing from the previous step's batch."""
     from hybridengine.engine import _rows
-    from hybridengine.runner import Batch
-    from hybridengine.scheduler import PLACEHOLDER
+    from hybridengine.rollout.runner import Batch
+    from hybridengine.rollout.scheduler import PLACEHOLDER
 
     engine, _ = make_engine("tiny-qwen2")
     with engine.rollout():

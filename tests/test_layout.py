@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridengine import ops
-from hybridengine.layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
+from hybridengine.sharding.layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
 from hybridengine.ops import segment_copy_ref
 
 from _models import MODELS, model_specs, reference_tp_slice

@@ -8,8 +8,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 import hybridengine as he
-from hybridengine.loading import INDEX_FILE, load_model
-from hybridengine.model import ModelConfig
+from hybridengine.model.loading import INDEX_FILE, load_model
+from hybridengine.model.config import ModelConfig
 
 from test_model import ATOL, hf_config, hf_model
 

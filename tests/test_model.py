@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hybridengine as he
 from hybridengine import load_model
-from hybridengine.model import CausalLM, ModelConfig, RopeConfig
+from hybridengine.model.config import ModelConfig, RopeConfig
+from hybridengine.model.decoder import CausalLM
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 ATOL = 1e-4  # fp32 vs fp32: the observed error is ~5e-7 on logits of magnitude ~1

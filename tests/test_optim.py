@@ -1,4 +1,4 @@
-"""FlatAdamW (`hybridengine.optim`) and its fused Triton step (`hybridengine.kernels.adamw`).
+"""FlatAdamW (`hybridengine.train.optimizer`) and its fused Triton step (`hybridengine.kernels.adamw`).
 
 Truth is `torch.optim.AdamW` (single-tensor path, two param groups: weight_decay and 0). Our
 reference performs torch's operations in torch's order but each rounded once to fp32 (no FMAs,
@@ -24,7 +24,7 @@ import copy
 import pytest
 import torch
 
-from hybridengine.optim import FlatAdamW, _use_kernel, adamw_step_ref
+from hybridengine.train.optimizer import FlatAdamW, _use_kernel, adamw_step_ref
 
 U = 2.0**-24
 SIZES = (1, 17, 300, 1000)
@@ -423,7 +423,7 @@ def test_cuda_kernel_matches_reference(dtype):
 def test_split_master_is_exact():
     """split_master / join_master: every fp32 bit pattern back exactly (signs, zeros, subnormals, inf);
     the high half is round-to-nearest (ties away from zero: only exact ties differ from `.to`)."""
-    from hybridengine.optim import join_master, split_master
+    from hybridengine.train.optimizer import join_master, split_master
 
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(50_000, generator=g) * torch.logspace(-44, 37, 50_000),
@@ -442,7 +442,7 @@ def test_split_master_is_exact():
 def test_split_master_nan_stays_nan():
     """Every NaN pattern (the GPU's canonical 0x7FFFFFFF, x86's 0xFFC00000, ...) splits into the
     canonical bf16 NaN and a zero low half: rounding a NaN's bits must not wrap the weight to 0."""
-    from hybridengine.optim import join_master, split_master
+    from hybridengine.train.optimizer import join_master, split_master
 
     bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, -0x400000, 0x7F800001, 0x7FFF8000], dtype=torch.int64)
     x = bits.to(torch.int32).view(torch.float32)
@@ -455,7 +455,7 @@ def test_split_master_nan_stays_nan():
 def test_split_master_follows_the_fp32_master():
     """master_weights='split' keeps the fp32 master exactly: after steps it equals master_weights=True's
     masters bit for bit, the moments too, and the bf16 weights are its high half."""
-    from hybridengine.optim import split_master
+    from hybridengine.train.optimizer import split_master
 
     params, masks = make_units(dtype=torch.bfloat16)
     full = FlatAdamW([p.clone() for p in params], masks, lr=3e-3, weight_decay=0.1, master_weights=True)

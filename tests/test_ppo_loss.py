@@ -1,4 +1,4 @@
-"""The fused PPO loss (`hybridengine.ppo_loss`): references, Triton kernels, autograd, validation.
+"""The fused PPO loss (`hybridengine.ops.ppo_loss`): references, Triton kernels, autograd, validation.
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (conftest) through the private fused entry
 points on tiny shapes, with chunk sizes small enough that every run crosses a partial chunk and a
@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-P = importlib.import_module("hybridengine.ppo_loss")  # the module: `hybridengine.ppo_loss` is also the op's name
+P = importlib.import_module("hybridengine.ops.ppo_loss")  # the module: `hybridengine.ops.ppo_loss` is also the op's name
 
 K_SAME_DTYPE = 2.0
 """Fused error <= K x the same-dtype reference's error (see module docstring). Measured on CPU: the

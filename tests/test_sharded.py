@@ -23,7 +23,7 @@ def full_params(specs, dtype, seed=1234):
 
 def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_kwargs):
     """Every check of the issue for one world size, all tg dividing it (gloo on CPU, NCCL on GPU)."""
-    from hybridengine.sharded import ShardedBuffer
+    from hybridengine.sharding.sharded import ShardedBuffer
 
     specs = model_specs(**MODELS[model])
     params = {k: v.to(device) for k, v in full_params(specs, dtype).items()}
@@ -155,7 +155,7 @@ def _check_world(rank, world_size, init_file, model, dtype, *rest):
 
 
 def _mismatch(rank, world_size, init_file, errors):
-    from hybridengine.sharded import ShardedBuffer
+    from hybridengine.sharding.sharded import ShardedBuffer
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     with reporting(errors, f"rank {rank}"):
@@ -197,8 +197,8 @@ def test_p2p_gather(world_size, model, chunks):
 def test_clip_table_and_p2p_plan():
     """The p2p plan's tables partition the unpack table: every natural element exactly once, from the shard
     (and piece) that holds it."""
-    from hybridengine.layout import ShardedLayout
-    from hybridengine.sharded import clip_table
+    from hybridengine.sharding.layout import ShardedLayout
+    from hybridengine.sharding.sharded import clip_table
 
     table = torch.tensor([[0, 10, 5], [5, 0, 7], [20, 30, 3]])
     assert clip_table(table, 3, 9, -3).tolist() == [[0, 13, 2], [2, 0, 4]]
@@ -224,9 +224,9 @@ def test_direct_gather_plan_and_argument():
     """The plan of direct_gather at N == tg: column-parallel (and undivided-vocab) parameters gather in
     place, the rest is staged; the staging table maps every staged natural element exactly once.
     direct_gather=True applies only where a shard is a whole TP slice."""
-    from hybridengine.layout import ShardedLayout
+    from hybridengine.sharding.layout import ShardedLayout
     from hybridengine.ops import segment_copy_ref
-    from hybridengine.sharded import ShardedBuffer
+    from hybridengine.sharding.sharded import ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
     assert not ShardedBuffer(specs, dtype=torch.float32, direct_gather=True).direct_gather  # N = tg = 1
@@ -265,7 +265,7 @@ def test_mismatched_layouts_raise_on_every_rank():
 
 
 def test_without_torch_distributed_one_rank_alone():
-    from hybridengine.sharded import ShardedBuffer
+    from hybridengine.sharding.sharded import ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
     params = full_params(specs, torch.float32)
@@ -289,7 +289,7 @@ def test_without_torch_distributed_one_rank_alone():
 
 def test_failed_mapping_leaves_training_state(monkeypatch):
     """A mapping failure (e.g. out of memory) names the rank and unit and leaves the buffer as it was."""
-    from hybridengine.sharded import GenerationBuffer, ShardedBuffer
+    from hybridengine.sharding.sharded import GenerationBuffer, ShardedBuffer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -325,8 +325,8 @@ def test_failed_mapping_leaves_training_state(monkeypatch):
 def test_switch_batches_cover_every_unit_once():
     """The switch's NCCL group calls: the smallest unit alone first, then units in layout order, each
     batch within switch_batch_bytes of received bytes unless one unit alone exceeds it."""
-    from hybridengine.layout import ShardedLayout
-    from hybridengine.sharded import switch_batches
+    from hybridengine.sharding.layout import ShardedLayout
+    from hybridengine.sharding.sharded import switch_batches
 
     specs = model_specs(**MODELS["odd-hidden"])
     lay = ShardedLayout(specs, world_size=4, tp_size=2)
@@ -398,8 +398,8 @@ def test_map_others_in_background():
     """GenerationBuffer.map_others_in_background maps every other shard not mapped yet (kept ones are
     skipped); after wait_mapped a switch's map_unit finds nothing to map; a failure maps nothing; a
     release joins a pending background mapping first."""
-    from hybridengine.layout import ShardedLayout
-    from hybridengine.sharded import GenerationBuffer
+    from hybridengine.sharding.layout import ShardedLayout
+    from hybridengine.sharding.sharded import GenerationBuffer
 
     layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=2, tp_size=1)
     gen = GenerationBuffer(layout, 0, torch.float32, torch.device("cpu"), use_vmm=False)
@@ -426,7 +426,7 @@ def test_map_others_in_background():
 def test_prepare_generation_states_and_failure(monkeypatch):
     """prepare_generation needs the training state; a failed background mapping is raised by the next
     switch_to_generation, naming the rank, with the buffer left in training; the switch after works."""
-    from hybridengine.sharded import GenerationBuffer, ShardedBuffer
+    from hybridengine.sharding.sharded import GenerationBuffer, ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
     buf = ShardedBuffer(specs, dtype=torch.float32)
@@ -457,8 +457,8 @@ def test_prepare_generation_states_and_failure(monkeypatch):
 def test_map_unit_maps_only_what_is_missing():
     """Pages kept mapped (switch_to_training(release=False)) are not mapped again; a failed map_unit
     unmaps only what it mapped itself, never kept pages."""
-    from hybridengine.layout import ShardedLayout
-    from hybridengine.sharded import GenerationBuffer
+    from hybridengine.sharding.layout import ShardedLayout
+    from hybridengine.sharding.sharded import GenerationBuffer
 
     layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=4, tp_size=1, element_size=4)
     gen = GenerationBuffer(layout, 1, torch.float32, torch.device("cpu"), use_vmm=False)
@@ -491,8 +491,8 @@ def test_map_unit_maps_only_what_is_missing():
 def test_map_units_maps_a_batch_in_one_call():
     """map_units: the missing pages of several units in one map_pieces call; kept pages are skipped;
     a failure maps nothing (all or nothing); units with nothing missing are left out of the result."""
-    from hybridengine.layout import ShardedLayout
-    from hybridengine.sharded import GenerationBuffer
+    from hybridengine.sharding.layout import ShardedLayout
+    from hybridengine.sharding.sharded import GenerationBuffer
 
     layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=4, tp_size=1, element_size=4)
     gen = GenerationBuffer(layout, 1, torch.float32, torch.device("cpu"), use_vmm=False)
@@ -515,7 +515,7 @@ def test_map_units_maps_a_batch_in_one_call():
 def test_batched_page_calls_switch_and_failure(monkeypatch):
     """ShardedBuffer(batch_page_calls=True): the switch maps through map_units (per switch batch), a
     failure names the unit(s) and unmaps only what this call mapped."""
-    from hybridengine.sharded import GenerationBuffer, ShardedBuffer
+    from hybridengine.sharding.sharded import GenerationBuffer, ShardedBuffer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -545,7 +545,7 @@ def test_batched_page_calls_switch_and_failure(monkeypatch):
 
 
 def test_switch_batch_bytes_argument():
-    from hybridengine.sharded import SWITCH_BATCH_BYTES, ShardedBuffer
+    from hybridengine.sharding.sharded import SWITCH_BATCH_BYTES, ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
     for bad in (-1, 2.0):

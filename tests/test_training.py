@@ -15,8 +15,8 @@ import hybridengine as he
 from _dist import reporting, spawn
 from _models import reference_tp_slice
 
-# hybridengine.ppo_loss the attribute is the function; the module holds the reference.
-P = __import__("importlib").import_module("hybridengine.ppo_loss")
+# hybridengine.ops.ppo_loss the attribute is the function; the module holds the reference.
+P = __import__("importlib").import_module("hybridengine.ops.ppo_loss")
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "ppo_tiny_qwen2.json"
 STEPS = 5
 CFG = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01, loss_agg="token-mean",
@@ -166,7 +166,7 @@ def test_fused_training_kernels_match_torch_reference(monkeypatch, checkpointing
     gradient of a step equal the plain torch reference's (fp32: 1e-4 relative, the kernels' formulas
     differ from autograd's chain only in rounding), on a model with q/k norms (Qwen3) and one with
     q/k/v biases (Qwen2)."""
-    from hybridengine import fused
+    from hybridengine.ops import fused
 
     monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
     for name in ("tiny-qwen2", "tiny-qwen3"):
@@ -326,7 +326,7 @@ def test_critic_matches_torch_reference():
 def test_released_params_never_read_the_old_buffer():
     """Activation checkpointing off: after the forward, the gathered buffer may be freed and reused
     (here: overwritten with NaN); backward over a fresh gather gives the plain autograd gradients."""
-    from hybridengine.training import _ReleasedParams
+    from hybridengine.train.trainer import _ReleasedParams
 
     class Layout:  # natural_view over a flat buffer: name -> (offset, shape)
         spans = {"l.w1": (0, (8, 4)), "l.w2": (32, (4, 8)), "l.norm": (64, (4,))}
@@ -372,7 +372,7 @@ def test_released_params_never_read_the_old_buffer():
 def test_gpu_packed_attention_varlen_matches_per_sequence(device, window):
     """The varlen flash path of PackedAttention against one SDPA call per sequence: outputs and the
     gradients of q, k, v in bf16 (both flash-style kernels: a few bf16 ulps at |x| ~ 1)."""
-    from hybridengine.training import PackedAttention
+    from hybridengine.train.trainer import PackedAttention
 
     cu = [0, 7, 40, 41, 100]
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.gpu
 
 
 def vmm_range(nbytes):
-    from hybridengine.vmm import VmmRange
+    from hybridengine.sharding.vmm import VmmRange
 
     return VmmRange(nbytes, torch.cuda.current_device())
 
@@ -177,8 +177,8 @@ def test_map_unit_keeps_mapped_pages(monkeypatch):
     import os
     import sys
 
-    from hybridengine.layout import ShardedLayout
-    from hybridengine.sharded import GenerationBuffer
+    from hybridengine.sharding.layout import ShardedLayout
+    from hybridengine.sharding.sharded import GenerationBuffer
 
     sys.path.insert(0, os.path.dirname(__file__))
     from _models import MODELS, model_specs

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
 
 import hybridengine as he
-from hybridengine.algos import gae, grpo_advantages, whiten
+from hybridengine.train.advantages import gae, grpo_advantages, whiten
 
 DIGITS = 10
 TASK_CONFIG = dict(model_type="llama", vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

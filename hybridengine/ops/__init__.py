@@ -1,8 +1,8 @@
 """Ops with a plain-torch reference and a C++/CUDA or Triton implementation; picked by device."""
 
-from ._ext import EXTENSION_ERROR, extension_has
-from .copy_2d import copy_2d, copy_2d_ref, prepare_runs, runs_from_table, table_from_runs
-from .segment_copy import prepare_table, segment_copy, segment_copy_ref, split_rows, validate_table
+from hybridengine.ops._ext import EXTENSION_ERROR, extension_has
+from hybridengine.ops.copy_2d import copy_2d, copy_2d_ref, prepare_runs, runs_from_table, table_from_runs
+from hybridengine.ops.segment_copy import prepare_table, segment_copy, segment_copy_ref, split_rows, validate_table
 
 if EXTENSION_ERROR is None:
     import torch

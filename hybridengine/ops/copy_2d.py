@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ._ext import extension_has, warn_once
-from .segment_copy import check_src_dst, validate_table
+from hybridengine.ops._ext import extension_has, warn_once
+from hybridengine.ops.segment_copy import check_src_dst, validate_table
 
 RUN_FIELDS = ("src", "dst", "width", "height", "src_pitch", "dst_pitch")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._ext import extension_has, warn_once
+from hybridengine.ops._ext import extension_has, warn_once
 
 MAX_SEGMENT_BYTES = 32 * 1024
 """Rows longer than this are split: one CUDA warp per row, so a 4 GiB copy runs as 128k warps."""

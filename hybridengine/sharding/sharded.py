@@ -31,9 +31,9 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .layout import ParamSpec, ShardedLayout, merge_segments
-from .ops import copy_2d, prepare_runs, prepare_table, segment_copy
-from .vmm import VmmRange
+from hybridengine.sharding.layout import ParamSpec, ShardedLayout, merge_segments
+from hybridengine.ops import copy_2d, prepare_runs, prepare_table, segment_copy
+from hybridengine.sharding.vmm import VmmRange
 
 SWITCH_BATCH_BYTES = (256 << 20, 2 << 30)
 """Bounds of the switch's automatic batch (received bytes per NCCL group call): a quarter of what the

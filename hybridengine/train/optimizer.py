@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from .ops._ext import warn_once
+from hybridengine.ops._ext import warn_once
 
 PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MASK_DTYPES = (torch.uint8, torch.bool)
@@ -178,7 +178,7 @@ def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
 
 
 def _kernel_launcher():
-    from .kernels import adamw  # Triton imported on first use, after TRITON_INTERPRET is set
+    from hybridengine.kernels import adamw  # Triton imported on first use, after TRITON_INTERPRET is set
 
     return adamw.adamw_step_
 

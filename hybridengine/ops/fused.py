@@ -1,7 +1,7 @@
 """Fused elementwise steps of the rollout forward: residual add + RMSNorm, rotary embedding, SiLU * up.
 
 Three layers per op, as elsewhere: the plain-torch reference (`*_ref`, the module code of
-hybridengine.model written as functions), the Triton launcher (`*_triton`, kernels in
+hybridengine.model.decoder written as functions), the Triton launcher (`*_triton`, kernels in
 `hybridengine.kernels.elementwise`), and the public function, which takes the kernel on CUDA and
 the reference elsewhere. The model uses them on the generation path only (the paged forward under
 the engine's attention metadata, no autograd); training keeps the eager module code, whose

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import ParamSpec, ShardedLayout
+from hybridengine.sharding.layout import ParamSpec, ShardedLayout
 
 
 class FlatParamBuffer:

@@ -18,7 +18,7 @@ from enum import Enum
 
 import torch
 
-from .sampling import SamplingParams
+from hybridengine.rollout.sampler import SamplingParams
 
 
 class Status(Enum):

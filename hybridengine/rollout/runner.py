@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import attention as attn_ops
-from .scheduler import PLACEHOLDER, Batch, Sequence
+from hybridengine.ops import attention as attn_ops
+from hybridengine.rollout.scheduler import PLACEHOLDER, Batch, Sequence
 
 
 class KVCache:
@@ -53,7 +53,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     fused: bool = False
-    """The model's paged forward uses the fused elementwise kernels (hybridengine.fused): set on CUDA."""
+    """The model's paged forward uses the fused elementwise kernels (hybridengine.ops.fused): set on CUDA."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -82,7 +82,7 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.max_blocks = math.ceil(max_model_len / self.block_size)
         self.scale = model.config.head_dim ** -0.5
-        self.fused = self.device.type == "cuda"  # the fused elementwise kernels (hybridengine.fused) on GPU
+        self.fused = self.device.type == "cuda"  # the fused elementwise kernels (hybridengine.ops.fused) on GPU
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
         self.graph_capture_s = 0.0
         # Decode inputs are written on the host into one of two staging buffers (pinned on CUDA) and

@@ -20,7 +20,7 @@ def _raise(message: str) -> None:
 
 class VmmRange:
     def __init__(self, nbytes: int, device: int):
-        from . import ops  # noqa: F401  (loads hybridengine._C)
+        from hybridengine import ops  # noqa: F401  (loads hybridengine._C)
 
         try:
             cls = torch.classes.hybridengine.VmmRange

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .model import CausalLM, ModelConfig
+from hybridengine.model.config import ModelConfig
+from hybridengine.model.decoder import CausalLM
 
 
 def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:

@@ -268,7 +268,7 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
     logits) and every rank combines them into the same tokens: those of one rank holding the whole
     vocabulary (the noise is drawn per vocabulary column), up to the order of the sum's adds.
     """
-    from .kernels.sampling import sample_combine_kernel, sample_partial_kernel
+    from hybridengine.kernels.sampling import sample_combine_kernel, sample_partial_kernel
 
     _check_fused_args(logits, inv_temp, keys, draws)
     B, V = logits.shape

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .ops._ext import warn_once
+from hybridengine.ops._ext import warn_once
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -384,7 +384,7 @@ def _grad_bytes(hidden: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, b
 
 
 def _kernels():
-    from .kernels import ppo_loss as kernels  # Triton imported on first use, after TRITON_INTERPRET is set
+    from hybridengine.kernels import ppo_loss as kernels  # Triton imported on first use, after TRITON_INTERPRET is set
 
     return kernels
 

@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from .model import CausalLM, ModelConfig, rope_cos_sin
-from .sharded import ShardedBuffer
+from hybridengine.model.config import ModelConfig
+from hybridengine.model.decoder import CausalLM, rope_cos_sin
+from hybridengine.sharding.sharded import ShardedBuffer
 
 LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
 
@@ -55,7 +56,7 @@ class _StepConfig:
     again (no recompute: one layer forward less per layer, activations of all layers held)."""
 
     def _check_step(self, name: str) -> None:
-        from .ppo_loss import LOSS_AGGS
+        from hybridengine.ops.ppo_loss import LOSS_AGGS
 
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"{name}.loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
@@ -80,7 +81,7 @@ class PPOConfig(_StepConfig):
     """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
 
     def __post_init__(self):
-        from .ppo_loss import _LossConfig
+        from hybridengine.ops.ppo_loss import _LossConfig
 
         self._check_step("PPOConfig")
         try:  # the loss knobs are validated where the loss defines them
@@ -188,7 +189,7 @@ class PackedAttention:
         self.cu = cu_seqlens
         self._cu_device: torch.Tensor | None = None
         self.fused_train = False
-        """The model's layers use the autograd Triton ops of hybridengine.fused (EngineConfig.fused_training)."""
+        """The model's layers use the autograd Triton ops of hybridengine.ops.fused (EngineConfig.fused_training)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None) -> torch.Tensor:
@@ -198,7 +199,7 @@ class PackedAttention:
                 if out is not None:
                     return out
             except Exception as e:  # noqa: BLE001 - an API or kernel this torch build lacks: fall back for good
-                from .ops._ext import warn_once
+                from hybridengine.ops._ext import warn_once
 
                 PackedAttention._varlen_failed = f"{type(e).__name__}: {e}"
                 warn_once(f"PackedAttention: torch varlen flash attention failed ({PackedAttention._varlen_failed}); "
@@ -372,7 +373,7 @@ class Trainer:
     @property
     def optimizer(self):
         """The FlatAdamW over this rank's shards (allocated on first use)."""
-        from .optim import FlatAdamW
+        from hybridengine.train.optimizer import FlatAdamW
 
         if self._optimizer is None:
             c = self._opt_config
@@ -512,7 +513,7 @@ class Trainer:
     def log_probs(self, batch: PPOBatch, *, temperature: float = 1.0, micro_batch_tokens: int = 16384,
                   return_entropy: bool = False):
         """[B, max_len - 1] log-probs of the target tokens (zero past each sequence); entropy optional."""
-        from .ppo_loss import token_logprobs
+        from hybridengine.ops.ppo_loss import token_logprobs
 
         if self.critic:
             raise ValueError("log_probs() needs an actor engine; this one is a critic (use values)")
@@ -533,7 +534,7 @@ class Trainer:
 
     def ppo_step(self, batch: PPOBatch, cfg: PPOConfig) -> dict:
         """One optimizer step of the policy on this rank's batch; returns loss, metrics, grad_norm, lr, timings."""
-        from .ppo_loss import ppo_loss
+        from hybridengine.ops.ppo_loss import ppo_loss
 
         if self.critic:
             raise ValueError("ppo_step is for the actor; this engine is a critic (use value_step)")
@@ -555,7 +556,7 @@ class Trainer:
 
     def value_step(self, batch: PPOBatch, cfg: ValueConfig) -> dict:
         """One optimizer step of the critic (`he.value_loss`) on this rank's batch."""
-        from .ppo_loss import value_loss
+        from hybridengine.ops.ppo_loss import value_loss
 
         if not self.critic:
             raise ValueError("value_step needs a critic engine (HybridEngine(..., role='critic'))")

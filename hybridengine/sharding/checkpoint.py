@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .layout import ParamSpec, ShardedLayout
-from .model import ModelConfig, RopeConfig
-from .ops import segment_copy
+from hybridengine.sharding.layout import ParamSpec, ShardedLayout
+from hybridengine.model.config import ModelConfig, RopeConfig
+from hybridengine.ops import segment_copy
 
 FORMAT = 1
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
@@ -145,7 +145,7 @@ def _own_shards(engine, naturals: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def load(path: str | os.PathLike, *, config=None):
     """A HybridEngine restored from `save` (at this process's world size; TP degree from `config`)."""
-    from .engine import EngineConfig, HybridEngine
+    from hybridengine.engine import EngineConfig, HybridEngine
 
     path = Path(path)
     meta_file = path / "meta.json"

@@ -13,198 +13,15 @@ sequences), `compute_logits()` (a fused loss takes the hidden states instead), a
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused
-from .buffer import FlatParamBuffer
-from .layout import param_specs
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-ROPE_TYPES = ("default", "linear", "llama3")
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclass(kw_only=True, slots=True)
-class RopeConfig:
-    """Rotary position embedding parameters (HF `rope_parameters`, flattened)."""
-
-    rope_type: str = "default"
-    """'default', 'linear' (positions / factor) or 'llama3' (frequency-dependent scaling)."""
-    theta: float = 10000.0
-    factor: float = 1.0
-    """linear and llama3: the context extension factor."""
-    low_freq_factor: float = 1.0
-    """llama3 only."""
-    high_freq_factor: float = 4.0
-    """llama3 only."""
-    original_max_position_embeddings: int = 8192
-    """llama3 only: the context length the model was pre-trained with."""
-
-    def __post_init__(self):
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"RopeConfig: rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
-        if self.theta <= 0 or self.factor <= 0:
-            raise ValueError(f"RopeConfig: theta={self.theta} and factor={self.factor} must be > 0")
-        if self.rope_type == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
-            raise ValueError(f"RopeConfig: llama3 needs 0 < low_freq_factor={self.low_freq_factor} "
-                             f"< high_freq_factor={self.high_freq_factor}")
-
-    def inv_freq(self, head_dim: int) -> torch.Tensor:
-        """Inverse frequencies [head_dim / 2] in fp32 on CPU, computed like HF (modeling_rope_utils)."""
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if self.rope_type == "linear":
-            return inv / self.factor
-        if self.rope_type == "llama3":
-            old_len = self.original_max_position_embeddings
-            low_wavelen, high_wavelen = old_len / self.low_freq_factor, old_len / self.high_freq_factor
-            wavelen = 2 * math.pi / inv
-            # long wavelengths are divided by factor, short ones kept, the band between interpolated
-            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
-            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-            return torch.where(medium, smoothed, scaled)
-        return inv
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """The shapes and options of one Llama-family decoder."""
-
-    model_type: str
-    """The HF model_type: one of SUPPORTED_MODEL_TYPES."""
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    """GQA: num_attention_heads must be a multiple of this."""
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    """True: the LM head is the embedding matrix; the buffer has no lm_head.weight."""
-    value_head: bool = False
-    """A critic: a scalar head `score.weight` [1, hidden] (HF token-classification name) replaces the LM head."""
-    qkv_bias: bool = False
-    """q/k/v projections have biases (Qwen2; Llama/Qwen3 with attention_bias)."""
-    o_bias: bool = False
-    """o_proj has a bias (Llama/Qwen3 with attention_bias)."""
-    mlp_bias: bool = False
-    """gate/up/down projections have biases (Llama mlp_bias)."""
-    qk_norm: bool = False
-    """Per-head RMSNorm of q and k before rope (Qwen3)."""
-    sliding_window: int | None = None
-    """Window of the sliding-window layers: query i sees keys j with i - window < j <= i."""
-    layer_types: tuple[str, ...] = ()
-    """'full_attention' or 'sliding_attention' per layer; empty: all sliding if sliding_window else all full."""
-    rope: RopeConfig = field(default_factory=RopeConfig)
-    max_position_embeddings: int = 4096
-    initializer_range: float = 0.02
-    """Std of the normal init of linear and embedding weights (random init)."""
-
-    def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"ModelConfig: model_type {self.model_type!r} is not supported; "
-                             f"supported: {SUPPORTED_MODEL_TYPES}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig: {name} must be >= 1, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"ModelConfig: num_attention_heads={self.num_attention_heads} is not a multiple "
-                             f"of num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for rope")
-        if not isinstance(self.rope, RopeConfig):
-            raise ValueError(f"ModelConfig: rope must be a RopeConfig, got {type(self.rope).__name__}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"ModelConfig: sliding_window must be None or >= 1, got {self.sliding_window}")
-        if not self.layer_types:
-            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
-            self.layer_types = (kind,) * self.num_hidden_layers
-        self.layer_types = tuple(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
-            raise ValueError(f"ModelConfig: layer_types must hold num_hidden_layers={self.num_hidden_layers} "
-                             f"entries from {LAYER_TYPES}, got {self.layer_types}")
-        if "sliding_attention" in self.layer_types and self.sliding_window is None:
-            raise ValueError("ModelConfig: layer_types has sliding_attention layers but sliding_window is None")
-
-    def layer_window(self, i: int) -> int | None:
-        """The sliding window of layer i, or None for full causal attention."""
-        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
-
-    @classmethod
-    def from_hf(cls, hf_config) -> "ModelConfig":
-        """Translate a transformers config; a feature this model does not implement is a ValueError."""
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} (architectures {getattr(hf_config, 'architectures', None)}) "
-                             f"is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{model_type}: hidden_act {act!r} is not supported; only 'silu' (SwiGLU MLP)")
-        heads = hf_config.num_attention_heads
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        kw = dict(
-            qkv_bias={"qwen2": True, "mistral": False}.get(model_type, attention_bias),
-            o_bias=attention_bias if model_type in ("llama", "qwen3") else False,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
-        )
-        if model_type == "llama":
-            sliding_window, layer_types = None, ()
-        elif model_type == "mistral":
-            sliding_window, layer_types = getattr(hf_config, "sliding_window", None), ()
-        else:  # qwen2/qwen3: HF sets sliding_window None unless use_sliding_window; layer_types say which layers
-            sliding_window = getattr(hf_config, "sliding_window", None)
-            if not getattr(hf_config, "use_sliding_window", False):
-                sliding_window = None
-            layer_types = getattr(hf_config, "layer_types", None) or [
-                "sliding_attention" if sliding_window is not None and i >= hf_config.max_window_layers
-                else "full_attention" for i in range(hf_config.num_hidden_layers)]
-        return cls(
-            model_type=model_type,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            sliding_window=sliding_window,
-            layer_types=tuple(layer_types),
-            rope=_rope_from_hf(hf_config),
-            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
-            initializer_range=getattr(hf_config, "initializer_range", 0.02),
-            **kw,
-        )
-
-
-def _rope_from_hf(hf_config) -> RopeConfig:
-    # transformers 5 keeps everything in `rope_parameters`; 4.x had `rope_theta` + `rope_scaling`.
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{hf_config.model_type}: rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
-    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"{hf_config.model_type}: partial_rotary_factor={partial} is not supported (only 1.0)")
-    kw = dict(rope_type=rope_type, theta=float(theta))
-    if rope_type in ("linear", "llama3"):
-        kw["factor"] = float(params["factor"])
-    if rope_type == "llama3":
-        kw.update(low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
-                  original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-    return RopeConfig(**kw)
+from hybridengine.model.config import ModelConfig
+from hybridengine.ops import fused
+from hybridengine.sharding.buffer import FlatParamBuffer
+from hybridengine.sharding.layout import param_specs
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,9 +100,9 @@ class Attention(nn.Module):
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
         """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` stores K/V in the paged cache and attends.
 
-        With `attn.fused` (rollout) the q/k norms run as the kernels of hybridengine.fused, q, k and v come
+        With `attn.fused` (rollout) the q/k norms run as the kernels of hybridengine.ops.fused, q, k and v come
         from one GEMM, and RoPE rides in the KV store's kernel (`attend(..., rope=(cos, sin))`). With
-        `attn.fused_train` (training, autograd) the norms and RoPE are the autograd ops of hybridengine.fused."""
+        `attn.fused_train` (training, autograd) the norms and RoPE are the autograd ops of hybridengine.ops.fused."""
         N = x.shape[0]
         if getattr(attn, "fused", False):
             q, k, v = self._qkv_one_gemm(x)
@@ -360,7 +177,7 @@ class DecoderLayer(nn.Module):
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
         """Flat tokens through `attn`; with `attn.fused_train` the norms and SiLU * up run as the autograd
-        kernels of hybridengine.fused (the rollout chains `forward_fused` from CausalLM.hidden_states_paged)."""
+        kernels of hybridengine.ops.fused (the rollout chains `forward_fused` from CausalLM.hidden_states_paged)."""
         if getattr(attn, "fused_train", False):
             norm1, norm2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
             x = x + self.self_attn.forward_paged(fused.rms_norm_train(x, norm1.weight, norm1.eps), cos, sin, attn,

@@ -248,7 +248,7 @@ def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                       slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `rope_store_kv`: `fused.rope_ref`, then `store_kv_ref` of the rotated k and v.
     Returns the rotated (q, k) as new tensors."""
-    from . import fused
+    from hybridengine.ops import fused
 
     fused._check_rope("rope_store_kv", q, k, cos, sin)
     _check_store_args(k, v, k_cache, v_cache, slot_mapping, reference=True, names=("k", "v"))
@@ -263,7 +263,7 @@ def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     """`rope_store_kv` with the Triton kernel (one program per token): q and k rotated in place; returns (q, k)."""
     import triton
 
-    from . import fused
+    from hybridengine.ops import fused
     from hybridengine.kernels.kv_cache import rope_store_kv_kernel
 
     fused._check_rope("rope_store_kv", q, k, cos, sin)

@@ -22,7 +22,8 @@ from typing import Iterator
 
 import torch
 
-from .model import CausalLM, ModelConfig
+from hybridengine.model.config import ModelConfig
+from hybridengine.model.decoder import CausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
