@@ -372,7 +372,7 @@ def test_released_params_never_read_the_old_buffer():
 def test_gpu_packed_attention_varlen_matches_per_sequence(device, window):
     """The varlen flash path of PackedAttention against one SDPA call per sequence: outputs and the
     gradients of q, k, v in bf16 (both flash-style kernels: a few bf16 ulps at |x| ~ 1)."""
-    from hybridengine.train.trainer import PackedAttention
+    from hybridengine.train.packed_attention import PackedAttention
 
     cu = [0, 7, 40, 41, 100]
     g = torch.Generator(device="cuda").manual_seed(0)
