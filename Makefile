@@ -1,13 +1,15 @@
 # make setup : a venv in .venv with torch (CPU wheel here) and hybridengine built in place
 # make demo  : set up, then run the main job (the example GRPO trainer on a tiny model; ~1 min on CPU)
-# make test  : set up, then run the test suite (what CI runs)
+# make test  : set up, then run the test suite on the CPU (what CI runs: .ci/run)
+# make test-gpu : set up, then build the CUDA extension and run the whole suite on this machine's GPUs
+#                 (scripts/test_gpu.sh: pytest-xdist workers, the 2-GPU NCCL checks where 2 GPUs exist)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hybridengine-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-gpu clean
 
 setup: $(STAMP)
 
@@ -23,7 +25,10 @@ demo: setup
 	$(BIN)/hybridengine grpo --out grpo_out
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+test-gpu: setup
+	PYTHON=$(BIN)/python bash scripts/test_gpu.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info hybridengine/_C*.so
