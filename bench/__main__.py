@@ -28,10 +28,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=os.environ.get("HE_BENCH_RESULTS", str(RESULTS)),
                      help="rows file to append to (default $HE_BENCH_RESULTS or bench/results/results.jsonl)")
     run.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA is available")
-    rep = sub.add_parser("report", help="report.md, plots and the README section from the rows")
+    rep = sub.add_parser("report", help="report.md and the plots from the rows; refreshes the README's marked table")
     rep.add_argument("--rows", default=str(RESULTS))
     rep.add_argument("--out-dir", default=None, help="default: the rows file's folder")
-    rep.add_argument("--readme", default=str(Path(__file__).resolve().parent.parent / "README.md"))
+    rep.add_argument("--readme", default=str(Path(__file__).resolve().parent.parent / "README.md"),
+                     help="the README whose table between <!-- bench:begin --> and <!-- bench:end --> is rewritten")
     sub.add_parser("list", help="suites and their benches")
     return p
 
