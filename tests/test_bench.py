@@ -126,6 +126,9 @@ def synthetic_rows(path: Path) -> None:
     rec.add("unit_gather", "nccl", "qwen2-7b", unit, "seconds", [0.001])
     rec.add("unit_gather", "nccl", "qwen2-7b", unit, "busbw_GB_per_s", [250.0])
     rec.add("unit_gather", "fsdp2", "qwen2-7b", {"unit": "layers.0"}, "seconds", [0.0021])
+    # A retired variant (ShardedBuffer's direct_gather): counted in its own section, shown in no table.
+    rec.add("unit_gather", "hybridengine", "qwen2-7b", {**unit, "tg": 2, "unpack": True, "gather": "direct"}, "seconds",
+            [0.0017])
     seg = {"bytes": 2**30, "pattern": "layer_unpack", "rows": 10}
     rec.add("segment_copy", "torch_copy", None, seg, "GB_per_s", [4000.0])
     rec.add("segment_copy", "hybridengine", None, seg, "GB_per_s", [3000.0])
@@ -176,10 +179,10 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
     text = report(rows, tmp_path / "out", readme).read_text()
-    for heading in ("## Floors", "## Train -> generate switch", "## Unit gather", "## Rollout generation",
+    for heading in ("## Key ratios", "## Floors", "## Train -> generate switch", "## Unit gather", "## Rollout generation",
                     "## Train step", "## Segment copy", "## Sampler", "## Paged decode attention", "## Prefill attention",
                     "## PPO / GRPO loss",
-                    "## Other benches", "## Not run", "## Runs"):
+                    "## Other benches", "## Not run", "## Retired variants", "## Runs"):
         assert heading in text
     # Ratios inside run r1: floor 6 * 7.6e9 * 4096 / 790 TFLOP/s = 0.236 s; fsdp2 0.51 s / 1.0 s = 0.51.
     assert "| qwen2-7b | deepspeed_zero3 | off | 1.000 (1.000–1.000) | – | 0.236 | 0.24 | 0.51 |" in text
@@ -195,6 +198,8 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | – | – | – | – | – |" in text
     # Unit gather: 225 / 250 GB/s = 0.90; FSDP2 2.1 ms / 1.05 ms = 2.00.
     assert "| qwen2-7b | 470 | hybridengine tg=1 | 1.05 ms (1.05–1.05) | 225 | 0.90 | 2.00 | r1 |" in text
+    assert "tg=2" not in text.split("## Unit gather")[1].split("## ")[0] and "1.70 ms" not in text
+    assert "| ShardedBuffer(direct_gather=True) | 1 | r1 |" in text
     # Generate: one GPU at 2,700 tok/s vs the peers' per-GPU rates of run r1 (2 GPUs), marked as another run.
     assert ("| qwen2-7b | rollout (n=1, tg=1) | 64 x 128 | 2,700 (2,700–2,700) | 1 | 2,700 | 6.00 ms | 4.00 ms [1] | 1.50 | "
             "3.00 [2] | – | 6.00 [3] | – | r2 |") in text
@@ -217,6 +222,13 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
             "train_step.png"]
     new = readme.read_text()
     assert "old table" not in new and new.startswith("# x\n\nbefore\n" + BEGIN) and new.endswith(END + "\nafter\n")
+    # The key ratios open report.md; the README's table holds their headline rows (here: the switch against NCCL).
+    for line in ("| Switch train->gen time / NCCL all-gather of the same 7.60 GB per rank, qwen2-7b tg=1 | 31.5 ms | "
+                 "25.0 ms | 1.26 | <= 1.15 | 2 x H200, r1 |",
+                 "| Switch train->gen with its pages mapped ahead (`prepare_generation()` during the training step) / "
+                 "NCCL all-gather of the same bytes, qwen2-7b tg=1 | 26.0 ms | 25.0 ms | 1.04 | <= 1.15 | 2 x H200, r1 |"):
+        assert line in new and line in text, line
+    assert "Segment copy" not in new and "Decode step" not in new
     for line in ("| Switch train->gen time / NCCL all-gather of the same 7.60 GB per rank, qwen2-7b tg=1 | 31.5 ms | "
                  "25.0 ms | 1.26 | <= 1.15 | 2 x H200, r1 |",
                  "| Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, qwen2-7b tg=1 | 31.5 ms | 47.2 ms | 1.50x |",
@@ -229,7 +241,7 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
                  "| Decode step / its floor (weights + KV bytes at HBM bandwidth), qwen2-7b, 64 sequences at mean context 192 | 6.00 ms | "
                  "4.00 ms | 1.50 | <= 1.5 | 1 x H200, r2 |",
                  "| 200 ms (2.00 GiB) | 300 ms (90.0 GiB) | 1.50x | – | 1 x H200, r2 |"):
-        assert line in new, line
+        assert line in text, line
 
 
 def test_readme_without_markers_is_left_alone(tmp_path, capsys):
