@@ -1,10 +1,10 @@
-"""Paged decode attention (`hybridengine.ops.attention.paged_decode_attention`) against dense SDPA and FlexAttention.
+"""Paged decode attention (`hybridengine.ops.paged_attention.paged_decode_attention`) against dense SDPA and
+FlexAttention.
 
 One decoder layer of Qwen2-7B on one GPU (tg = 1): 28 query heads, 4 kv heads, head_dim 128, bf16,
 one query token per sequence, every sequence of a case at the same context length. GB/s counts the
 K and V bytes read, 2 x B x context x 4 x 128 x 2 bytes (Q and the output are < 1% of it); the
-floor is the run's `hbm_copy` bandwidth (4.2 TB/s measured; DESIGN.md: 256 MiB at B = 128,
-context 1024 -> 62 us).
+floor is the run's `hbm_copy` bandwidth.
 
 Providers, all on the same shapes in the same run:
 - `hybridengine`: the Triton paged kernel over a block_size-16 cache with shuffled blocks; split-K
@@ -23,8 +23,8 @@ Every timed call starts with a cold L2 (a 512 MiB read first, whose GPU time als
 launch of the timed call), as a layer's KV is cold in a real decode step; B = 1 at 16k is 32 MiB and
 would otherwise sit in the H200's 50 MB L2. The flush reads rather than writes (case flush="read"):
 in a decode step the L2 before attention holds the weights just read, clean lines; after a 512 MiB
-write it would hold ~50 MB of dirty lines whose write-back (~12 us) lands inside the timed call and
-dominates the small cases (B = 1, 16k: 27 us after a write flush for 33.5 MB of K/V).
+write it would hold ~50 MB of dirty lines whose write-back lands inside the timed call and dominates
+the small cases (the sweep's `flush_check` rows time both flushes).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _timed_config(ctx: Ctx, name: str, fn, expected: torch.Tensor, case: dict, f
 
 
 def paged_attention(ctx: Ctx) -> None:
-    from hybridengine.ops import attention
+    from hybridengine.ops import paged_attention as PA
 
     cases = [(b, c) for c in CONTEXTS_GPU for b in BATCHES_GPU] if ctx.cuda else list(CASES_CPU)
     flush = _flush_buffer(ctx) if ctx.cuda else None
@@ -180,12 +180,12 @@ def paged_attention(ctx: Ctx) -> None:
         expected = sdpa()
         runs = {("sdpa_dense", "-"): (sdpa, BLOCK_SIZE)}
         if ctx.cuda:
-            auto = attention.decode_partition_plan(batch, NUM_KV_HEADS, HEAD_DIM, context, ctx.device)[0]
+            auto = PA.decode_partition_plan(batch, NUM_KV_HEADS, HEAD_DIM, context, ctx.device)[0]
             splits = {"auto": None} | ({"one_pass": 1} if auto > 1 else {})
             for mode, num_splits in splits.items():
                 def ours(num_splits=num_splits):
-                    return attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale=scale,
-                                                            num_splits=num_splits, max_context_len=context)
+                    return PA.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                     num_splits=num_splits, max_context_len=context)
                 runs[("hybridengine", mode)] = (ours, BLOCK_SIZE)
             if (batch, context) in FLEX_CASES:
                 try:
@@ -194,7 +194,7 @@ def paged_attention(ctx: Ctx) -> None:
                     ctx.rec.not_run("paged_attention", "flex_attention", MODEL, f"failed: {type(e).__name__}: "
                                     f"{str(e)[:300]}", **base)
         else:  # the CPU harness check: the Triton provider needs CUDA; flex runs eager (unfused)
-            runs[("torch_ref", "-")] = (lambda: attention.paged_decode_attention_ref(
+            runs[("torch_ref", "-")] = (lambda: PA.paged_decode_attention_ref(
                 q, k_cache, v_cache, tables, lens, scale=scale), BLOCK_SIZE)
             runs[("flex_attention", "-")] = (flex_paged(q, dense_k, dense_v, compiled=False), FLEX_PAGE)
         for (provider, mode), (fn, block_size) in runs.items():
@@ -223,16 +223,13 @@ SWEEP_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
 """The six best of the full 3 x 2 x 3 grid (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages) in the first sweep."""
 SWEEP_SPLIT_FACTORS = (1, 2, 4, 8)
 """Multiples of the automatic split count tried where the automatic plan splits."""
-SWEEP_DOTS = {"16bit": True, "upcast_tf32": False}
-"""The kernel's two dot paths (case `dot`, the launcher's config DOT_16BIT): `tl.dot` on the bf16 tiles (the
-default) and the fp32 upcast with TF32 dots it replaced, each config in the same run. The upcast runs the first
-two split factors only, to keep the sweep's length."""
 
 
 def paged_attention_sweep(ctx: Ctx) -> None:
     """Launch-config sweep of the Triton decode kernel (tile BLOCK_N, warps, pipeline stages, split
-    count, dot path) on the cases that decide the defaults; rows carry case sweep=True. GPU only."""
-    from hybridengine.ops import attention
+    count) on the cases that decide the defaults; rows carry case sweep=True (and dot="16bit", the kernel's
+    bf16 dot path, as earlier runs' rows). GPU only."""
+    from hybridengine.ops import paged_attention as PA
 
     if not ctx.cuda:
         ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "sweep: GPU only", sweep=True)
@@ -244,12 +241,12 @@ def paged_attention_sweep(ctx: Ctx) -> None:
         nbytes = kv_bytes(batch, context)
         q, dense_k, dense_v, k_cache, v_cache, tables, lens = decode_inputs(ctx, batch, context, g)
         expected = dense_sdpa(q, dense_k, dense_v)
-        auto = attention.decode_num_splits(batch, NUM_KV_HEADS, context, attention.num_sms(ctx.device))
+        auto = PA.decode_num_splits(batch, NUM_KV_HEADS, context, PA.num_sms(ctx.device))
         base = dict(batch=batch, context=context, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
                     dtype="bf16", kv_bytes=nbytes, block_size=BLOCK_SIZE, sweep=True)
         flush_runs = {"sdpa_dense": lambda: dense_sdpa(q, dense_k, dense_v),
-                      "hybridengine": lambda: attention.paged_decode_attention(q, k_cache, v_cache, tables, lens,
-                                                                               scale=scale, max_context_len=context)}
+                      "hybridengine": lambda: PA.paged_decode_attention(q, k_cache, v_cache, tables, lens,
+                                                                        scale=scale, max_context_len=context)}
         for provider, fn in flush_runs.items():  # what the flush's write-back adds to a call
             for write in (False, True):
                 times = cold_times(ctx, fn, warmup=3, repeats=20, flush=flush, write_flush=write)
@@ -258,27 +255,26 @@ def paged_attention_sweep(ctx: Ctx) -> None:
                 ctx.log(f"paged_attention sweep B={batch} ctx={context} {provider} after a "
                         f"{'write' if write else 'read'} flush: {quantiles(times)[1] * 1e6:.1f} us")
         factors = SWEEP_SPLIT_FACTORS if auto > 1 else (1,)
-        best = {}
-        for dot, dot_16bit in SWEEP_DOTS.items():
-            for config in SWEEP_CONFIGS:
-                for factor in factors if dot_16bit else factors[:2]:
-                    splits = min(auto * factor, attention.DECODE_MAX_SPLITS, max(1, context // config["BLOCK_N"]))
-                    parts = attention.decode_partitions(context, splits, config["BLOCK_N"])[0]
-                    case = dict(base, flush="read", split=f"{factor}x_auto", num_partitions=parts, dot=dot, **config)
+        best = None
+        for config in SWEEP_CONFIGS:
+            for factor in factors:
+                splits = min(auto * factor, PA.DECODE_MAX_SPLITS, max(1, context // config["BLOCK_N"]))
+                parts = PA.decode_partitions(context, splits, config["BLOCK_N"])[0]
+                case = dict(base, flush="read", split=f"{factor}x_auto", num_partitions=parts, dot="16bit", **config)
 
-                    def fn(splits=splits, config=config | {"DOT_16BIT": dot_16bit}):
-                        return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
-                                                                       num_splits=splits, max_context_len=context,
-                                                                       config=config)
-                    times = _timed_config(ctx, f"sweep {config} dot={dot}", fn, expected, case, flush,
-                                          warmup=3, repeats=20)
-                    if times is None:
-                        continue
-                    median = quantiles(times)[1]
-                    if dot not in best or median < best[dot][0]:
-                        best[dot] = (median, config, parts)
-        for dot, (median, config, parts) in best.items():
-            ctx.log(f"paged_attention sweep B={batch} ctx={context} dot={dot}: best {median * 1e6:.1f} us "
+                def fn(splits=splits, config=config):
+                    return PA.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                            num_splits=splits, max_context_len=context,
+                                                            config=config)
+                times = _timed_config(ctx, f"sweep {config}", fn, expected, case, flush, warmup=3, repeats=20)
+                if times is None:
+                    continue
+                median = quantiles(times)[1]
+                if best is None or median < best[0]:
+                    best = (median, config, parts)
+        if best is not None:
+            median, config, parts = best
+            ctx.log(f"paged_attention sweep B={batch} ctx={context}: best {median * 1e6:.1f} us "
                     f"({nbytes / median / 1e9:,.0f} GB/s) with {config}, {parts} partitions")
         del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected
         release_memory()
@@ -293,9 +289,8 @@ SPLIT_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in ((32,
 
 def paged_attention_splits(ctx: Ctx) -> None:
     """Split count x tile config where split-K decides the time (small batches, long contexts), beside
-    dense SDPA in the same run. Rows carry case sweep="splits". GPU only. (Run 20261130T201033Z-1199
-    also timed a merge in the last partition program, case fused_reduce: slower everywhere, removed.)"""
-    from hybridengine.ops import attention
+    dense SDPA in the same run. Rows carry case sweep="splits". GPU only."""
+    from hybridengine.ops import paged_attention as PA
 
     if not ctx.cuda:
         ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "split sweep: GPU only", sweep="splits")
@@ -319,13 +314,13 @@ def paged_attention_splits(ctx: Ctx) -> None:
         best = (float("inf"), None)
         for config in SPLIT_CONFIGS:
             for splits in split_counts:
-                parts, size = attention.decode_partitions(context, splits, config["BLOCK_N"])
+                parts, size = PA.decode_partitions(context, splits, config["BLOCK_N"])
                 case = dict(base, split="forced", num_partitions=parts, partition_size=size, **config)
 
                 def fn(splits=splits, config=config):
-                    return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
-                                                                   num_splits=splits, max_context_len=context,
-                                                                   config=config)
+                    return PA.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                            num_splits=splits, max_context_len=context,
+                                                            config=config)
                 times = _timed_config(ctx, f"splits {splits} {config}", fn, expected, case, flush,
                                       warmup=5, repeats=30)
                 if times is None:
@@ -374,7 +369,7 @@ def paged_attention_prefetch(ctx: Ctx) -> None:
     once; it is not a floor: dense SDPA beats it at the 1.5B shapes) and `read_kernel` (a plain Triton
     read of the same bytes, the fastest of READ_CONFIGS: the floor). Rows carry case sweep="prefetch" and
     the model whose heads they use. GPU only."""
-    from hybridengine.ops import attention
+    from hybridengine.ops import paged_attention as PA
 
     if not ctx.cuda:
         ctx.rec.not_run("paged_attention", "hybridengine", MODEL, "prefetch sweep: GPU only", sweep="prefetch")
@@ -382,7 +377,7 @@ def paged_attention_prefetch(ctx: Ctx) -> None:
     flush = _flush_buffer(ctx)
     scale = HEAD_DIM**-0.5
     g = torch.Generator(device=ctx.device).manual_seed(0)
-    sms = attention.num_sms(ctx.device)
+    sms = PA.num_sms(ctx.device)
     for model, heads, batch, context in PREFETCH_CASES:
         nbytes = kv_bytes(batch, context, heads[1])
         q, dense_k, dense_v, k_cache, v_cache, tables, lens = decode_inputs(ctx, batch, context, g, heads)
@@ -400,24 +395,24 @@ def paged_attention_prefetch(ctx: Ctx) -> None:
             times = cold_times(ctx, lambda config=config: cold_read(flat, **config), warmup=5, repeats=30, flush=flush)
             ctx.rec.add("paged_attention", "read_kernel", model, dict(base, **config), "seconds", times)
             summary["read_kernel"] = min(summary.get("read_kernel", float("inf")), quantiles(times)[1])
-        auto = attention.decode_num_splits(batch, heads[1], context, sms)
+        auto = PA.decode_num_splits(batch, heads[1], context, sms)
         split_counts = sorted({auto, max(1, auto // 2), auto * 2} if auto > 1 else {1, 2, 4})
         best = (float("inf"), "")
         for splits in split_counts:
             configs = [None] + PREFETCH_CONFIGS
             for config in configs:
-                block_n = (config or attention._decode_config(ctx.device, HEAD_DIM, splits > 1))["BLOCK_N"]
+                block_n = (config or PA._decode_config(ctx.device, HEAD_DIM, splits > 1))["BLOCK_N"]
                 if splits > 1 and context // splits < block_n:
                     continue
-                parts = attention.decode_partitions(context, splits, block_n)[0]
+                parts = PA.decode_partitions(context, splits, block_n)[0]
                 label = "default" if config is None else "prefetch"
                 case = dict(base, split=f"{splits}", num_partitions=parts, variant=label,
-                            **(config or attention._decode_config(ctx.device, HEAD_DIM, splits > 1)))
+                            **(config or PA._decode_config(ctx.device, HEAD_DIM, splits > 1)))
 
                 def fn(splits=splits, config=config):
-                    return attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
-                                                                   num_splits=splits, max_context_len=context,
-                                                                   config=config)
+                    return PA.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=scale,
+                                                            num_splits=splits, max_context_len=context,
+                                                            config=config)
                 times = _timed_config(ctx, f"prefetch {model} B={batch} {splits} {config}", fn, expected, case,
                                       flush, warmup=3, repeats=20, model=model)
                 if times is None:

@@ -1,5 +1,5 @@
-"""Prefill attention (`attention.prefill_attention_triton` over dense packed k/v, as the rollout's prefill calls
-it) against torch's varlen flash attention and SDPA, with a launch sweep of the Triton kernel.
+"""Prefill attention (`prefill_attention.prefill_attention_triton` over dense packed k/v, as the rollout's prefill
+calls it) against torch's varlen flash attention and SDPA, with a launch sweep of the Triton kernel.
 
 Qwen2-7B heads (28 q, 4 kv, head_dim 128), bf16, causal, packed sequences of one length per case,
 16k tokens each: (B, L) in CASES_GPU. TFLOP/s counts the causal work, 4 x Hq x D x sum_b L (L + 1) / 2 (two
@@ -8,9 +8,8 @@ row (bf16 8192^3 `torch.mm`).
 
 Providers, same inputs, same run:
 - `hybridengine`: the Triton kernel at its default launch; with case sweep=True, each launch of SWEEP
-  (tiles, warps, stages, dot path: `dot16` = 16-bit dots with P split in two, `dot16-p8` = P rounded once
-  to bf16 as flash-attention does, `upcast` = the fp32 upcast with TF32 dots) on SWEEP_CASE, and the
-  SHORTLIST of its best launches on the other cases.
+  (tiles, warps, stages; case path `dot16-p8`: 16-bit dots with P rounded once to bf16, as flash-attention
+  does, the kernel's only bf16 path) on SWEEP_CASE, and the SHORTLIST of its best launches on the other cases.
 - `torch_varlen`: `torch.nn.attention.varlen.varlen_attn`, the kernel the training path uses (GQA heads
   expanded beforehand, outside the timing, where the API lacks `enable_gqa`).
 - `sdpa`: `F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the [B, H, L, D] batch.
@@ -29,15 +28,13 @@ MODEL = "qwen2-7b"
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
 CASES_GPU = ((32, 512), (8, 2048), (2, 8192))
 SWEEP_CASE = (8, 2048)
-PATHS = {"dot16": {"P_SPLIT": True}, "dot16-p8": {"P_SPLIT": False}, "upcast": {"DOT_16BIT": False}}
-SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s, **PATHS[path], path=path)
-         for path in ("dot16", "dot16-p8") for m, n in ((64, 64), (128, 64), (128, 128), (64, 128))
-         for w in (4, 8) for s in (2, 3)] + [dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, DOT_16BIT=False,
-                                                  path="upcast")]
-SHORTLIST = [c for c in SWEEP if (c["path"], c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) in
-             {("dot16-p8", 64, 64, 4, 3), ("dot16-p8", 128, 64, 4, 2), ("dot16-p8", 128, 128, 8, 3),
-              ("dot16", 64, 64, 4, 2)}]
-"""The best launches of the sweep on SWEEP_CASE (run 20261201T013708Z-8dc8), timed on the other cases too."""
+PATH = "dot16-p8"
+"""The rows' `path` (the report's launch column): the kernel's dot path, as in earlier runs' rows."""
+SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+         for m, n in ((64, 64), (128, 64), (128, 128), (64, 128)) for w in (4, 8) for s in (2, 3)]
+SHORTLIST = [c for c in SWEEP if (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) in
+             {(64, 64, 4, 3), (128, 64, 4, 2), (128, 128, 8, 3)}]
+"""The best launches of the sweep on SWEEP_CASE, timed on the other cases too."""
 
 
 def causal_flops(batch: int, length: int) -> float:
@@ -45,7 +42,7 @@ def causal_flops(batch: int, length: int) -> float:
 
 
 def prefill_attention(ctx: Ctx) -> None:
-    from hybridengine.ops import attention as A
+    from hybridengine.ops import prefill_attention as PF
 
     cases = CASES_GPU if ctx.cuda else ((2, 24),)
     for batch, length in cases:
@@ -62,12 +59,12 @@ def prefill_attention(ctx: Ctx) -> None:
                     head_dim=HEAD_DIM, dtype="bf16", flops=flops)
         runs = {}
         if ctx.cuda:
-            runs["hybridengine"] = lambda: A.prefill_attention_triton(**args)
+            runs["hybridengine"] = lambda: PF.prefill_attention_triton(**args)
             varlen = _torch_varlen(q, k, v, cu, length)
             if varlen is not None:
                 runs["torch_varlen"] = varlen
         else:
-            runs["torch_ref"] = lambda: A.prefill_attention_ref(**args)
+            runs["torch_ref"] = lambda: PF.prefill_attention_ref(**args)
         qb, kb, vb = (t.view(batch, length, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
         runs["sdpa"] = lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
         outs = {}
@@ -84,17 +81,15 @@ def prefill_attention(ctx: Ctx) -> None:
             ctx.log(f"  {provider} max |out - {'torch_varlen' if 'torch_varlen' in outs else 'ref'}| "
                     f"{(out.float() - ref.float()).abs().max().item():.3g}")
         if ctx.cuda:
-            _sweep(ctx, A, args, case, flops, ref, SWEEP if (batch, length) == SWEEP_CASE else SHORTLIST)
+            _sweep(ctx, PF, args, case, flops, ref, SWEEP if (batch, length) == SWEEP_CASE else SHORTLIST)
 
 
-def _sweep(ctx: Ctx, A, args: dict, case: dict, flops: float, ref: torch.Tensor, configs: list[dict]) -> None:
-    for cfg in configs:
-        launch = {k: v for k, v in cfg.items() if k != "path"}
-        label = f"{cfg['path']} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
-        row_case = dict(case, sweep=True, path=cfg["path"], **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps",
-                                                                                   "num_stages")})
+def _sweep(ctx: Ctx, PF, args: dict, case: dict, flops: float, ref: torch.Tensor, configs: list[dict]) -> None:
+    for launch in configs:
+        label = f"{launch['BLOCK_M']}x{launch['BLOCK_N']} w{launch['num_warps']} s{launch['num_stages']}"
+        row_case = dict(case, sweep=True, path=PATH, **launch)
         try:
-            fn = lambda: A.prefill_attention_triton(**args, config=launch)  # noqa: E731
+            fn = lambda: PF.prefill_attention_triton(**args, config=launch)  # noqa: E731
             err = (fn().float() - ref.float()).abs().max().item()
             times = ctx.measure(fn, warmup=2, repeats=8, desc=f"prefill sweep {label}")
         except Exception as e:  # noqa: BLE001 - a launch that does not fit (shared memory) is a row, not a crash
@@ -111,7 +106,7 @@ def _sweep(ctx: Ctx, A, args: dict, case: dict, flops: float, ref: torch.Tensor,
 
 def _torch_varlen(q, k, v, cu, length):
     """A call of torch's varlen flash attention on these inputs, or None where this torch lacks it."""
-    from hybridengine.train.trainer import _varlen_api
+    from hybridengine.train.packed_attention import _varlen_api
 
     api = _varlen_api()
     if api is None:

@@ -5,8 +5,7 @@
 Launches `paged_decode_attention_triton` once per config at the 1.5B decode shape (B = 128, 12 q heads,
 2 kv heads, 256 tokens, 16-token pages) and prints, for each compiled variant: cp.async count (Triton's
 software pipelining; 0 = every load waits in its own iteration), global loads, registers, spills, shared
-memory, warps and stages. Session 9 on the H200 (Triton 3.6): the default 32-token, 4-stage launch has
-38 cp.async; Triton 3.9 compiling the same kernel offline for sm_90 showed none.
+memory, warps and stages.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ CONFIGS = (None, dict(PREFETCH=True), dict(BLOCK_N=64, num_stages=1, PREFETCH=Tr
 
 
 def main() -> None:
-    from hybridengine.ops import attention
+    from hybridengine.ops.paged_attention import paged_decode_attention_triton
     from hybridengine.kernels import paged_attention as kernels
 
     dev = torch.device("cuda")
@@ -30,8 +29,8 @@ def main() -> None:
     tables = torch.randperm(blocks, device=dev).view(batch, -1).int()
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     for config in CONFIGS:
-        attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=head_dim**-0.5,
-                                                num_splits=1, config=config)
+        paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale=head_dim**-0.5, num_splits=1,
+                                      config=config)
     for cache in kernels.paged_decode_kernel.device_caches.values():
         for compiled in cache[0].values():
             ptx = compiled.asm["ptx"]

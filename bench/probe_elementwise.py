@@ -23,6 +23,7 @@ SHAPES = {"qwen2.5-1.5b": (1536, 8960), "qwen2-7b": (3584, 18944)}
 
 def main(argv=None) -> dict:
     from hybridengine.kernels.elementwise import rms_norm_kernel, silu_mul_kernel
+    from hybridengine.ops import rms_norm, silu_mul
 
     from .common import graph_seconds, quantiles
 
@@ -35,7 +36,7 @@ def main(argv=None) -> dict:
         for B in (64, 128, 256):
             gu = torch.randn(B, 2 * I, device=dev).to(torch.bfloat16)
             out = torch.empty(B, I, device=dev, dtype=torch.bfloat16)
-            default_block = min(4096, triton.next_power_of_2(I))
+            default_block = min(silu_mul.MAX_BLOCK, triton.next_power_of_2(I))
             for block in (512, 1024, 2048, 4096):
                 for warps in (2, 4, 8):
                     def silu(block=block, warps=warps):
@@ -56,7 +57,7 @@ def main(argv=None) -> dict:
                                           HAS_RESIDUAL=True, STORE_RSTD=False, BLOCK=triton.next_power_of_2(H),
                                           num_warps=warps)
                 q = quantiles(graph_seconds(norm, calls=20))
-                default = warps == (4 if H <= 2048 else 8)
+                default = warps == rms_norm.num_warps(H)
                 result["rows"].append(dict(op="rms_norm", model=model, batch=B, num_warps=warps, default=default,
                                            p20=q[0], p50=q[1], p80=q[2]))
                 print(f"rms_norm {model} B={B} warps={warps}{' (default)' if default else ''}: {q[1] * 1e6:.2f} us")

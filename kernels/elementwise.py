@@ -1,11 +1,12 @@
-"""Triton kernels of the rollout forward's elementwise steps: residual add + RMSNorm, rotary
-embedding of q and k, SiLU(gate) * up.
+"""Triton kernels of the model's elementwise steps: residual add + RMSNorm, rotary embedding of q
+and k, SiLU(gate) * up, and the backward passes of the training variants.
 
 Each replaces a chain of eager torch kernels (RMSNorm alone is seven: cast, square, mean, add,
 rsqrt, multiply, cast, scale) with one pass, and rounds where eager torch rounds, so the outputs
 are those of the module code in hybridengine.model.decoder up to the order of one fp32 sum (RMSNorm) and
-the fp32 exp (SiLU). The launchers, checks and plain-torch references are in
-`hybridengine.ops.fused`.
+the fp32 exp (SiLU). The launchers, checks and plain-torch references are in `hybridengine.ops.rms_norm`,
+`hybridengine.ops.rope` and `hybridengine.ops.silu_mul`; `rope_angles` and `rope_heads_` also serve the
+fused RoPE + KV store of `kernels.kv_cache`.
 """
 
 import triton

@@ -2,7 +2,7 @@
 (`store_kv_kernel`) or after the rotary embedding of the token's q and k (`rope_store_kv_kernel`, the
 rollout's decode and prefill steps: one kernel where rope and the store were two).
 
-The launchers, their checks and the plain-torch references are in `hybridengine.ops.attention`
+The launchers, their checks and the plain-torch references are in `hybridengine.ops.kv_store`
 (`store_kv`, `rope_store_kv` and their `_triton` / `_ref`).
 """
 

@@ -12,29 +12,26 @@ unnormalised accumulator, running max and exp-sum; `paged_decode_reduce_kernel` 
 partitions. Without it, the one partition is the whole context and the output is written directly.
 
 Math: fp32 math after the loads, with the tiles fed to the tensor cores in their stored dtype.
-`DOT_16BIT` (the launcher's default for bf16/fp16): both `tl.dot`s take 16-bit operands and
-accumulate in fp32. A product of two bf16 (8-bit significand) or fp16 (11-bit) values is exact in
-fp32 (24 bits), so S = Q.K^T is exact products summed in fp32, the numbers an fp32 upcast gives, with
-the K and V tiles in half the registers. V enters P.V exact. P (fp32, from the online softmax) is
-split in the input dtype, p_hi = p.to(dtype), p_lo = (p - p_hi).to(dtype): p_hi is 0 or within a
-factor 2 of p, so p - p_hi is exact in fp32 (Sterbenz) whatever the cast's rounding, and
-P.V = P_hi.V + P_lo.V (exact products, fp32 sums) carries P to 16 significant bits for bf16
-(relative error <= 2^-16 with the GPU's round-to-nearest, < 2^-14 with the interpreter's truncating
-bf16 cast; TF32 keeps 11 bits, flash-attn's bf16 P 8) and to 22 for fp16 (plus at most 2^-25
-absolute where p_lo or p falls among fp16's subnormals). The cost is a second, [GROUP_PAD, BLOCK_N] x
-[BLOCK_N, D], MMA per tile. The only 16-bit arithmetic is inside the dots (STYLE habit 5 upcasts
-because the interpreter's bf16 arithmetic is wrong: `_dot_16bit` runs its fp32 equivalent there).
-`DOT_16BIT=False` is the previous path, kept for same-run GPU comparisons: loads upcast to fp32,
-TF32 dots (`DOT_PRECISION="tf32"`; bf16/fp16 values are exact in TF32, P is rounded to TF32). fp32
-inputs always take that path, with "ieee". Softmax is online, in base 2 with the scale folded into
-log2(e).
+`DOT_16BIT` (bf16/fp16 inputs): both `tl.dot`s take 16-bit operands and accumulate in fp32. A
+product of two bf16 (8-bit significand) or fp16 (11-bit) values is exact in fp32 (24 bits), so
+S = Q.K^T is exact products summed in fp32, the numbers an fp32 upcast gives, with the K and V
+tiles in half the registers. V enters P.V exact. P (fp32, from the online softmax) is split in the
+input dtype, p_hi = p.to(dtype), p_lo = (p - p_hi).to(dtype): p_hi is 0 or within a factor 2 of p,
+so p - p_hi is exact in fp32 (Sterbenz) whatever the cast's rounding, and P.V = P_hi.V + P_lo.V
+(exact products, fp32 sums) carries P to 16 significant bits for bf16 (relative error <= 2^-16 with
+the GPU's round-to-nearest, < 2^-14 with the interpreter's truncating bf16 cast; TF32 would keep
+11 bits, flash-attn's bf16 P 8) and to 22 for fp16 (plus at most 2^-25 absolute where p_lo or p
+falls among fp16's subnormals). The cost is a second, [GROUP_PAD, BLOCK_N] x [BLOCK_N, D], MMA per
+tile. The only 16-bit arithmetic is inside the dots (the interpreter's bf16 arithmetic is wrong:
+`_dot_16bit` runs its fp32 equivalent there). fp32 inputs (`DOT_16BIT` False) take fp32 "ieee"
+dots. Softmax is online, in base 2 with the scale folded into log2(e).
 
 `PREFETCH`: each K/V tile is loaded one loop iteration ahead into registers (`_kv_tile`), the same tiles
-meeting the same math in the same order (outputs bit-identical to the plain loop). Triton 3.6 already
+meeting the same math in the same order (outputs bit-identical to the plain loop). Triton already
 software-pipelines the plain loop on Hopper (cp.async, `num_stages`); the prefetch helps only launches of
 few programs per SM, with 8 warps (`DECODE_PREFETCH_PROGRAMS`).
 
-The launcher, its checks and the reference are in `hybridengine.ops.attention`.
+The launcher, its checks and the reference are in `hybridengine.ops.paged_attention`.
 """
 
 import triton
@@ -83,7 +80,7 @@ def paged_decode_kernel(
     stride_bt_b, stride_ob, stride_oh,
     scale_log2, window, max_blocks, partition_size, num_partitions,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
@@ -109,8 +106,6 @@ def paged_decode_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if not DOT_16BIT:
-        q = q.to(tl.float32)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -139,7 +134,7 @@ def paged_decode_kernel(
         if DOT_16BIT:
             s = _dot_16bit(q, tl.trans(k), None, UPCAST_BF16_DOT)
         else:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # fp32 inputs
         s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays 0
@@ -152,7 +147,7 @@ def paged_decode_kernel(
             acc = _dot_16bit(p_hi, v, acc * alpha[:, None], UPCAST_BF16_DOT)
             acc = _dot_16bit(p_lo, v, acc, UPCAST_BF16_DOT)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]

@@ -1,22 +1,16 @@
 """Triton kernel of prefill attention over packed variable-length sequences (flash-attention 2 style).
 
 One program per (query tile of BLOCK_M rows, sequence, query head). Sequence b owns query rows
-cu_seqlens_q[b] .. cu_seqlens_q[b+1] and has len_k keys; the mask is causal and bottom-right
-aligned: query row i sits at key position len_k - len_q + i and sees keys j with
-i + len_k - len_q - window < j <= i + len_k - len_q (window 2^30 when there is none).
+cu_seqlens_q[b] .. cu_seqlens_q[b+1] and keys K, V [total_k, num_kv_heads, D] at rows
+cu_seqlens_k[b] .. cu_seqlens_k[b+1]; the mask is causal and bottom-right aligned: query row i sits at
+key position len_k - len_q + i and sees keys j with i + len_k - len_q - window < j <= i + len_k - len_q
+(window 2^30 when there is none).
 
-Keys come either from packed tensors K, V [total_k, num_kv_heads, D] at rows cu_seqlens_k[b] + j
-(`PAGED=False`), or from the paged cache through the block table (`PAGED=True`): key j of
-sequence b lives in block block_tables[b, j // PAGE_SIZE] at offset j % PAGE_SIZE. The paged
-form is how a prompt's cached prefix (shared by its n samples) and earlier chunks of a chunked
-prefill are read.
-
-Math as in `paged_attention`, online base-2 softmax in fp32. `DOT_16BIT` (the launcher's default for
-bf16/fp16): both `tl.dot`s on the 16-bit tiles with fp32 accumulation, S = Q.K^T exact products; P enters
-P.V rounded once to the input dtype (flash-attention's P, 8 significant bits for bf16: the launcher's
-default, 1.2x faster on the H200) or, with `P_SPLIT`, split in two 16-bit parts (16 bits for bf16, the
-decode kernel's scheme; one MMA more per tile). `DOT_16BIT=False`: the previous path, fp32 upcast after the loads and TF32 dots (fp32 inputs always).
-The launcher, checks and reference are in `hybridengine.ops.attention`.
+Math as in `paged_attention`, online base-2 softmax in fp32. `DOT_16BIT` (bf16/fp16 inputs): both
+`tl.dot`s on the 16-bit tiles with fp32 accumulation, S = Q.K^T exact products; P enters P.V rounded
+once to the input dtype (flash-attention's P, 8 significant bits for bf16; the decode kernel splits P
+in two instead). fp32 inputs (`DOT_16BIT` False) take fp32 "ieee" dots.
+The launcher, checks and reference are in `hybridengine.ops.prefill_attention`.
 """
 
 import triton
@@ -26,29 +20,21 @@ from .paged_attention import _dot_16bit
 
 
 @triton.jit
-def _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq, stride_bt_b, k_start, kv_head,
-          stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_block, stride_vc_block, max_blocks, scale_log2,
-          MASKED: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-          DOT_PRECISION: tl.constexpr, DOT_16BIT: tl.constexpr, P_SPLIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr):
+def _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, k_start, kv_head,
+          stride_kt, stride_kh, stride_vt, stride_vh, scale_log2,
+          MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr):
     """One K/V tile of keys t0 .. t0 + BLOCK_N - 1 into the online softmax (m, l, acc). MASKED: the causal /
     window / length mask per (row, key); without it every key of the tile is visible to every row."""
     t = t0 + tl.arange(0, BLOCK_N)
     t_ok = (t >= 0) & (t < len_k)
-    if PAGED:
-        page_idx = t // PAGE_SIZE
-        t_ok = t_ok & (page_idx < max_blocks)
-        page = tl.load(Block_tables + seq * stride_bt_b + page_idx, mask=t_ok, other=0).to(tl.int64)
-        k_off = page * stride_kc_block + (t % PAGE_SIZE) * stride_kt
-        v_off = page * stride_vc_block + (t % PAGE_SIZE) * stride_vt
-    else:
-        k_off = (k_start + t).to(tl.int64) * stride_kt
-        v_off = (k_start + t).to(tl.int64) * stride_vt
+    k_off = (k_start + t).to(tl.int64) * stride_kt
+    v_off = (k_start + t).to(tl.int64) * stride_vt
     kv_mask = t_ok[:, None] & d_ok[None, :]
     k = tl.load(K + k_off[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
     if DOT_16BIT:
         s = _dot_16bit(q, tl.trans(k), None, UPCAST_BF16_DOT) * scale_log2
     else:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # fp32 inputs
     if MASKED:
         visible = t_ok[None, :] & (t[None, :] <= pos[:, None]) & (t[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -59,24 +45,19 @@ def _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(V + v_off[:, None] + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
     if DOT_16BIT:
-        p_hi = p.to(v.dtype)
-        acc = _dot_16bit(p_hi, v, acc * alpha[:, None], UPCAST_BF16_DOT)
-        if P_SPLIT:  # p - p_hi is exact in fp32 (see kernels/paged_attention.py)
-            acc = _dot_16bit((p - p_hi.to(tl.float32)).to(v.dtype), v, acc, UPCAST_BF16_DOT)
+        acc = _dot_16bit(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_BF16_DOT)
     else:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     return m_new, l, acc
 
 
 @triton.jit
 def prefill_attention_kernel(
-    Q, K, V, Cu_seqlens_q, Cu_seqlens_k, Block_tables, Out,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kc_block, stride_vc_block, stride_bt_b, stride_ot, stride_oh,
-    scale_log2, window, max_blocks,
+    Q, K, V, Cu_seqlens_q, Cu_seqlens_k, Out,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_16BIT: tl.constexpr, P_SPLIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_16BIT: tl.constexpr, UPCAST_BF16_DOT: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -88,7 +69,7 @@ def prefill_attention_kernel(
         return
     k_start = tl.load(Cu_seqlens_k + seq)
     len_k = tl.load(Cu_seqlens_k + seq + 1) - k_start
-    shift = len_k - len_q  # bottom-right alignment: the cached prefix (or earlier chunks) comes first
+    shift = len_k - len_q  # bottom-right alignment: earlier keys (a cached prefix, earlier chunks) come first
     kv_head = head // GROUP
 
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -99,8 +80,6 @@ def prefill_attention_kernel(
     q_rows = (q_start + rows).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if not DOT_16BIT:
-        q = q.to(tl.float32)
 
     hi = tl.minimum(len_k, m0 + BLOCK_M + shift)  # one past the last row's own position
     lo = tl.maximum(m0 + shift - window + 1, 0)   # the first row's first visible key
@@ -114,20 +93,17 @@ def prefill_attention_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for t0 in range(lo, full_lo, BLOCK_N):
-        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq, stride_bt_b,
-                          k_start, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_block,
-                          stride_vc_block, max_blocks, scale_log2, True, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
-                          DOT_16BIT, P_SPLIT, UPCAST_BF16_DOT)
+        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, k_start, kv_head,
+                          stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, True, BLOCK_N,
+                          DOT_16BIT, UPCAST_BF16_DOT)
     for t0 in range(full_lo, full_hi, BLOCK_N):
-        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq, stride_bt_b,
-                          k_start, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_block,
-                          stride_vc_block, max_blocks, scale_log2, False, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
-                          DOT_16BIT, P_SPLIT, UPCAST_BF16_DOT)
+        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, k_start, kv_head,
+                          stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, False, BLOCK_N,
+                          DOT_16BIT, UPCAST_BF16_DOT)
     for t0 in range(tl.maximum(full_hi, lo), hi, BLOCK_N):
-        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, Block_tables, seq, stride_bt_b,
-                          k_start, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_block,
-                          stride_vc_block, max_blocks, scale_log2, True, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
-                          DOT_16BIT, P_SPLIT, UPCAST_BF16_DOT)
+        m, l, acc = _tile(m, l, acc, q, t0, pos, d, d_ok, len_k, window, K, V, k_start, kv_head,
+                          stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, True, BLOCK_N,
+                          DOT_16BIT, UPCAST_BF16_DOT)
 
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # a row that sees no key (len_k < len_q): zeros
     tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),

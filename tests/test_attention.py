@@ -1,4 +1,5 @@
-"""KV store, paged decode attention and prefill attention: Triton kernels against their references.
+"""KV store, paged decode attention and prefill attention (hybridengine.ops.kv_store, .paged_attention,
+.prefill_attention): Triton kernels against their references.
 
 On CPU the Triton launchers run under TRITON_INTERPRET=1 (conftest) on tiny shapes; the `gpu` tests
 run the same comparisons at Qwen2-7B shapes. Unused cache slots and unused block-table columns point
@@ -17,29 +18,24 @@ import os
 import pytest
 import torch
 
-from hybridengine.ops import attention as A
+from hybridengine.ops import _launch
+from hybridengine.ops import kv_store as KV
+from hybridengine.ops import paged_attention as PA
+from hybridengine.ops import prefill_attention as PF
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 K_TOL = {torch.bfloat16: 1.0, torch.float16: 1.0, torch.float32: 2.0}
 """Allowed multiple of torch's own error, on top of the one rounding of the output (`assert_close_to_exact`).
 bf16/fp16: the kernels round once, at the output; before it their error is P's as the P.V dot sees it
-(decode: `P_ERROR`, 2^-10 relative at most, TF32) plus fp32 rounding, checked on its own by
+(decode: `P_ERROR`; prefill: P rounded once to the dtype) plus fp32 rounding, checked on its own by
 `test_paged_decode_partials_within_rounding_bound`, while torch in the input dtype rounds the scores and P
 to it (2^-8 for bf16, 2^-11 for fp16) at every step. fp32: both compute in fp32 in a different order
 (base-2 exponent, online rescaling); measured max ratio 0.83 under the interpreter."""
-DOT_PATHS = [pytest.param(True, id="dot16"), pytest.param(False, id="upcast")]
-"""The decode kernel's `DOT_16BIT` (`tl.dot` on the bf16/fp16 tiles, the default) and the fp32 upcast it replaced."""
-P_ERROR = {
-    True: {torch.bfloat16: (2.0**-14 if INTERPRETER else 2.0**-16, 0.0), torch.float16: (2.0**-22, 2.0**-25)},
-    False: {torch.bfloat16: (2.0**-24 if INTERPRETER else 2.0**-10, 0.0),
-            torch.float16: (2.0**-24 if INTERPRETER else 2.0**-10, 0.0)},
-}
-"""(relative, absolute) error of one p as the decode kernel's P.V dot uses it, by DOT_16BIT and dtype
-(kernels/paged_attention.py). DOT_16BIT, bf16: p_hi + p_lo, each cast to 8 significant bits, the residual
+P_ERROR = {torch.bfloat16: (2.0**-14 if INTERPRETER else 2.0**-16, 0.0), torch.float16: (2.0**-22, 2.0**-25)}
+"""(relative, absolute) error of one p as the decode kernel's P.V dot uses it, by dtype
+(kernels/paged_attention.py). bf16: p_hi + p_lo, each cast to 8 significant bits, the residual
 p - p_hi exact: 2^-8 x 2^-8 with round-to-nearest (GPU), 2^-7 x 2^-7 with the interpreter's truncating cast.
-fp16: 2^-11 x 2^-11, and fp16 subnormals (p_lo, or p below 2^-14) leave half their spacing 2^-24 absolute.
-The fp32 upcast: TF32 keeps 11 significant bits, truncated (GPU: 2^-10); the interpreter multiplies in fp32,
-rounding p x v (2^-24)."""
+fp16: 2^-11 x 2^-11, and fp16 subnormals (p_lo, or p below 2^-14) leave half their spacing 2^-24 absolute."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,7 +84,7 @@ def paged_kv(context_lens: list[int], block_size: int, num_kv_heads: int, head_d
         slots = [s for s in slots if s not in written]  # a shared prefix is stored once
         written.update(slots)
         key = torch.randn(len(slots), num_kv_heads, head_dim, dtype=dtype, device=device)
-        A.store_kv_ref(key, torch.randn_like(key), k_cache, v_cache, torch.tensor(slots, device=device))
+        KV.store_kv_ref(key, torch.randn_like(key), k_cache, v_cache, torch.tensor(slots, device=device))
     return k_cache, v_cache, table.to(device)
 
 
@@ -117,7 +113,7 @@ def assert_close_to_exact(out: torch.Tensor, exact: torch.Tensor, torch_same_dty
 def gpu_exp2_error(v_cache: torch.Tensor, table: torch.Tensor, lens, block_n: int, dtype: torch.dtype) -> float:
     """fp32 on the GPU: Triton's exp2 is ex2.approx, 2 ulps (2^-23 relative), where the interpreter's numpy
     exp2 (and torch's softmax, whose error K_TOL scales) round correctly. Seen: 8.45e-7 against a bound of
-    3.35e-7 without this term (1 x H200, test_paged_decode_fp32_and_shared_prefix, 2026-11-30). A key's
+    3.35e-7 without this term (test_paged_decode_fp32_and_shared_prefix on the GPU). A key's
     weight passes through its own exp2, at most T - 1 tile rescales (T tiles in a context) and a
     split-K merge weight: (T + 1) x 2^-23 relative; the output is a ratio of two such weighted sums
     (numerator and denominator), so its error is at most 2 x (T + 1) x 2^-23 x max |v|. bf16/fp16
@@ -126,7 +122,7 @@ def gpu_exp2_error(v_cache: torch.Tensor, table: torch.Tensor, lens, block_n: in
         return 0.0
     tiles = math.ceil(max(int(n) for n in lens) / block_n)
     block_size = v_cache.shape[1]
-    top = max((A._gather_keys(v_cache, table[b, :math.ceil(n / block_size)], n).abs().max().item()
+    top = max((PA._gather_keys(v_cache, table[b, :math.ceil(n / block_size)], n).abs().max().item()
                for b, n in enumerate(int(n) for n in lens) if n), default=0.0)  # visible values only: the rest is poison
     return 2 * (tiles + 1) * 2.0**-23 * top
 
@@ -139,13 +135,13 @@ def decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, context_lens,
 
 def check_decode(q, k_cache, v_cache, table, lens, *, sliding_window=None, **kw) -> torch.Tensor:
     scale = q.shape[-1] ** -0.5
-    out = A.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=scale,
-                                          sliding_window=sliding_window, **kw)
-    exact = A.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, lens, scale=scale,
-                                         sliding_window=sliding_window)
-    same = A.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=scale,
-                                        sliding_window=sliding_window, compute_dtype=q.dtype)
-    block_n = (kw.get("config") or {}).get("BLOCK_N") or A._decode_config(q.device, q.shape[-1])["BLOCK_N"]
+    out = PA.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=scale,
+                                           sliding_window=sliding_window, **kw)
+    exact = PA.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, lens, scale=scale,
+                                          sliding_window=sliding_window)
+    same = PA.paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=scale,
+                                         sliding_window=sliding_window, compute_dtype=q.dtype)
+    block_n = (kw.get("config") or {}).get("BLOCK_N") or PA._decode_config(q.device, q.shape[-1])["BLOCK_N"]
     assert_close_to_exact(out, exact, same, gpu_exp2_error(v_cache, table, lens.tolist(), block_n, q.dtype))
     return out
 
@@ -183,8 +179,8 @@ def test_store_kv_matches_reference(device, num_kv_heads, head_dim, block_size, 
     k_cache, v_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
                                       interleaved=interleaved)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    A.store_kv_triton(key, value, k_cache, v_cache, slots)
-    A.store_kv_ref(key, value, k_ref, v_ref, slots)
+    KV.store_kv_triton(key, value, k_cache, v_cache, slots)
+    KV.store_kv_ref(key, value, k_ref, v_ref, slots)
     assert torch.equal(bits(k_cache), bits(k_ref)) and torch.equal(bits(v_cache), bits(v_ref))
     assert_slots_hold(k_cache, v_cache, slots, key, value)
 
@@ -193,7 +189,7 @@ def test_store_kv_no_tokens_and_all_padding(device):
     k_cache, v_cache = poisoned_cache(2, 16, 1, 64, torch.bfloat16, device)
     for n in (0, 3):
         key = torch.randn(n, 1, 64, dtype=torch.bfloat16, device=device)
-        A.store_kv_triton(key, key, k_cache, v_cache, torch.full((n,), -1, dtype=torch.int64, device=device))
+        KV.store_kv_triton(key, key, k_cache, v_cache, torch.full((n,), -1, dtype=torch.int64, device=device))
     assert k_cache.isnan().all() and v_cache.isnan().all()
 
 
@@ -205,15 +201,16 @@ def _store_args(device):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda a: a.update(key=a["key"][:, :, None]), "key must be 3-D"),
+    (lambda a: a.update(key=a["key"][:, :, None]), "store_kv: key must be 3-D"),
     (lambda a: a.update(value=a["value"][:4]), r"value must have shape \(5, 2, 64\)"),
-    (lambda a: a.update(value=a["value"].half()), "value is torch.float16 but key is torch.bfloat16"),
-    (lambda a: a.update(key=a["key"].int(), value=a["value"].int()), "key must be torch.float16 or"),
-    (lambda a: a.update(k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half()), "k_cache is torch.float16"),
-    (lambda a: a.update(v_cache=a["v_cache"][:1]), "k_cache and v_cache must have one shape"),
+    (lambda a: a.update(value=a["value"].half()), "value must be torch.bfloat16, got torch.float16"),
+    (lambda a: a.update(key=a["key"].int(), value=a["value"].int()), "key must be torch.bfloat16 or torch.float16 or"),
+    (lambda a: a.update(k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half()),
+     "k_cache must be torch.bfloat16, got torch.float16"),
+    (lambda a: a.update(v_cache=a["v_cache"][:1]), r"v_cache must have shape \(2, 16, 2, 64\)"),
     (lambda a: a.update(k_cache=a["k_cache"][..., :32], v_cache=a["v_cache"][..., :32]), "k_cache has head_dim 32"),
     (lambda a: a.update(k_cache=a["k_cache"][:, :, :1], v_cache=a["v_cache"][:, :, :1]), "k_cache has 1 kv heads"),
-    (lambda a: a.update(key=a["key"].transpose(1, 2).contiguous().transpose(1, 2)), "key must be contiguous"),
+    (lambda a: a.update(key=a["key"].transpose(1, 2).contiguous().transpose(1, 2)), "key must have unit stride"),
     (lambda a: a.update(slot_mapping=a["slot_mapping"].int()), "slot_mapping must be torch.int64"),
     (lambda a: a.update(slot_mapping=a["slot_mapping"][:4]), r"slot_mapping must have shape \(5,\)"),
     (lambda a: a.update(slot_mapping=a["slot_mapping"].to("meta")), "slot_mapping is on meta"),
@@ -223,7 +220,7 @@ def test_store_kv_bad_input(device, change, match):
     args = _store_args(device)
     change(args)
     with pytest.raises(ValueError, match=match):
-        A.store_kv_triton(**args)
+        KV.store_kv(**args)
 
 
 @pytest.mark.parametrize("slot,match", [(32, "slot 32 but the cache holds 32 slots"), (1, "one slot twice")])
@@ -231,7 +228,7 @@ def test_store_kv_ref_checks_slot_values(device, slot, match):
     args = _store_args(device)
     args["slot_mapping"][4] = slot
     with pytest.raises(ValueError, match=match):
-        A.store_kv_ref(**args)
+        KV.store_kv_ref(**args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,8 +268,8 @@ def test_rope_store_kv_matches_reference(device, num_q_heads, num_kv_heads, head
     v_before = v.clone()
     k_cache, v_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     k_ref_cache, v_ref_cache = k_cache.clone(), v_cache.clone()
-    q_ref, k_ref = A.rope_store_kv_ref(q.clone(), k.clone(), v, cos, sin, k_ref_cache, v_ref_cache, slots)
-    q_out, k_out = A.rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+    q_ref, k_ref = KV.rope_store_kv_ref(q.clone(), k.clone(), v, cos, sin, k_ref_cache, v_ref_cache, slots)
+    q_out, k_out = KV.rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
     assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place
     assert torch.equal(bits(q), bits(q_ref)) and torch.equal(bits(k), bits(k_ref))
     assert torch.equal(bits(v), bits(v_before))
@@ -281,15 +278,15 @@ def test_rope_store_kv_matches_reference(device, num_q_heads, num_kv_heads, head
 
 
 def test_rope_store_kv_equals_rope_then_store(device):
-    """The fused kernel against the two kernels it replaces (fused.rope_triton_, store_kv_triton), bit for bit."""
-    from hybridengine.ops import fused
+    """The fused kernel against the two kernels it replaces (rope.rope_triton_, store_kv_triton), bit for bit."""
+    from hybridengine.ops.rope import rope_triton_
 
     _, q, k, v, cos, sin, slots = _rope_store_inputs(9, 12, 2, 64, 4, 6, torch.bfloat16, device)
     k_cache, v_cache = poisoned_cache(6, 4, 2, 64, torch.bfloat16, device)
     k_two, v_two = k_cache.clone(), v_cache.clone()
-    q2, k2 = fused.rope_triton_(q.clone(), k.clone(), cos, sin)
-    A.store_kv_triton(k2, v, k_two, v_two, slots)
-    A.rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+    q2, k2 = rope_triton_(q.clone(), k.clone(), cos, sin)
+    KV.store_kv_triton(k2, v, k_two, v_two, slots)
+    KV.rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
     assert torch.equal(bits(q), bits(q2)) and torch.equal(bits(k), bits(k2))
     assert torch.equal(bits(k_cache), bits(k_two)) and torch.equal(bits(v_cache), bits(v_two))
 
@@ -299,29 +296,28 @@ def test_rope_store_kv_no_tokens(device):
     q = torch.empty(0, 2, 16, dtype=torch.bfloat16, device=device)
     k = torch.empty(0, 1, 16, dtype=torch.bfloat16, device=device)
     cs = torch.empty(0, 16, dtype=torch.bfloat16, device=device)
-    out = A.rope_store_kv_triton(q, k, k, cs, cs, k_cache, v_cache, torch.empty(0, dtype=torch.int64, device=device))
+    out = KV.rope_store_kv_triton(q, k, k, cs, cs, k_cache, v_cache, torch.empty(0, dtype=torch.int64, device=device))
     assert out[0].shape == (0, 2, 16) and k_cache.isnan().all() and v_cache.isnan().all()
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda a: a.update(cos=a["cos"][:, :8]), r"rope_store_kv: cos must be \[5, 16\]"),
+    (lambda a: a.update(cos=a["cos"][:, :8]), r"rope_store_kv: cos must have shape \(5, 16\)"),
     (lambda a: a.update(q=a["q"][..., :15], k=a["k"][..., :15], v=a["v"][..., :15]), "head_dim must be even"),
     (lambda a: a.update(k=a["k"].half()), "rope_store_kv: k must be"),
     (lambda a: a.update(v=a["v"][:4]), r"v must have shape \(5, 2, 16\)"),
-    (lambda a: a.update(v=a["v"].half()), "v is torch.float16 but k is torch.bfloat16"),
+    (lambda a: a.update(v=a["v"].half()), "v must be torch.bfloat16, got torch.float16"),
     (lambda a: a.update(k_cache=a["k_cache"][:, :, :1], v_cache=a["v_cache"][:, :, :1]), "k_cache has 1 kv heads"),
     (lambda a: a.update(slot_mapping=a["slot_mapping"][:3]), r"slot_mapping must have shape \(5,\)"),
 ])
 def test_rope_store_kv_bad_input_changes_nothing(device, change, match):
-    """A rejected call names the argument and leaves q, k and the cache as they were."""
+    """A rejected call (the op checks on every device) names the argument and leaves q, k and the cache as they were."""
     _, q, k, v, cos, sin, slots = _rope_store_inputs(5, 4, 2, 16, 4, 4, torch.bfloat16, device)
     k_cache, v_cache = poisoned_cache(4, 4, 2, 16, torch.bfloat16, device)
     args = dict(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
     before = {name: t.clone() for name, t in args.items()}
     change(args)
-    for fn in (A.rope_store_kv_triton, A.rope_store_kv_ref):
-        with pytest.raises(ValueError, match=match):
-            fn(**args)
+    with pytest.raises(ValueError, match=match):
+        KV.rope_store_kv(**args)
     for name, t in (("q", q), ("k", k), ("k_cache", k_cache), ("v_cache", v_cache)):
         assert torch.equal(bits(t), bits(before[name])), name
 
@@ -339,49 +335,44 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["one-pass", "split"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,lens,kw", DECODE_CASES)
-def test_paged_decode_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens, kw, num_splits,
-                                        dot_16bit):
+def test_paged_decode_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens, kw, num_splits):
     inputs = decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, lens, torch.bfloat16, device, **kw)
     # 32-token tiles: small contexts split on the GPU too (a split launch takes 128-token tiles there).
-    config = dict(DOT_16BIT=dot_16bit, BLOCK_N=32)
+    config = dict(BLOCK_N=32)
     if num_splits > 1:  # the split path must really run with more than one partition
-        plan = A.decode_partitions(inputs[3].shape[1] * block_size, num_splits, config["BLOCK_N"])
+        plan = PA.decode_partitions(inputs[3].shape[1] * block_size, num_splits, config["BLOCK_N"])
         assert plan[0] > 1, plan
     check_decode(*inputs, num_splits=num_splits, config=config)
 
 
-@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split"])
 @pytest.mark.parametrize("block_n,window", [(32, None), (16, 5), (64, 40)])
-def test_paged_decode_prefetch_is_bitwise_the_same(device, block_n, window, num_splits, dot_16bit):
+def test_paged_decode_prefetch_is_bitwise_the_same(device, block_n, window, num_splits):
     # PREFETCH only moves each K/V tile's load one iteration earlier: the same tiles meet the same math in
     # the same order, so the outputs are equal bit for bit (odd lengths: partial pages and tiles, a length
     # 1 row, and a tile past the partition's end that the prefetch must mask off).
     inputs = decode_inputs(8, 2, 64, 16, [1, 9, 77, 33], torch.bfloat16, device)
     kw = dict(sliding_window=window, num_splits=num_splits)
-    cfg = dict(DOT_16BIT=dot_16bit, BLOCK_N=block_n)
+    cfg = dict(BLOCK_N=block_n)
     plain = check_decode(*inputs, **kw, config=cfg | dict(PREFETCH=False))
     fetched = check_decode(*inputs, **kw, config=cfg | dict(PREFETCH=True))
     assert torch.equal(plain, fetched)
 
 
-@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split"])
 @pytest.mark.parametrize("window", [1, 5, 40])
-def test_paged_decode_sliding_window(device, window, num_splits, dot_16bit):
+def test_paged_decode_sliding_window(device, window, num_splits):
     inputs = decode_inputs(8, 2, 64, 16, [1, 9, 77], torch.bfloat16, device)
-    check_decode(*inputs, sliding_window=window, num_splits=num_splits, config=dict(DOT_16BIT=dot_16bit))
+    check_decode(*inputs, sliding_window=window, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split"])
-def test_paged_decode_fp16(device, num_splits, dot_16bit):
+def test_paged_decode_fp16(device, num_splits):
     # fp16 runs the 16-bit dots natively under the interpreter too (its bf16 dot is emulated in fp32).
     inputs = decode_inputs(7, 1, 128, 16, [70, 5, 33], torch.float16, device)
-    check_decode(*inputs, num_splits=num_splits, config=dict(DOT_16BIT=dot_16bit))
+    check_decode(*inputs, num_splits=num_splits)
 
 
 class _CapturePartials:
@@ -394,8 +385,7 @@ class _CapturePartials:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("dot_16bit", DOT_PATHS)
-def test_paged_decode_partials_within_rounding_bound(device, monkeypatch, dtype, dot_16bit):
+def test_paged_decode_partials_within_rounding_bound(device, monkeypatch, dtype):
     """The split-K partials, fp32 before the merge and the output rounding (which at 2^-9 for bf16 hides P's
     rounding in the other tests), against fp64 on the kernel's own running max m: acc = sum_j p_j v_j and
     l = sum_j p_j with p_j = 2^(s_j - m), s_j = q.k_j x scale x log2(e). Bound, first order, per p_j: P_ERROR
@@ -411,17 +401,16 @@ def test_paged_decode_partials_within_rounding_bound(device, monkeypatch, dtype,
     q, k_cache, v_cache, table, context_lens = decode_inputs(num_q_heads, num_kv_heads, head_dim, block_size, lens,
                                                              dtype, device)
     scale, group = head_dim**-0.5, num_q_heads // num_kv_heads
-    A.paged_decode_attention_triton(q, k_cache, v_cache, table, context_lens, scale=scale, num_splits=2,
-                                    config=dict(DOT_16BIT=dot_16bit))
-    num_parts, size = A.decode_partition_plan(len(lens), num_kv_heads, head_dim, table.shape[1] * block_size,
-                                              device, 2)
+    PA.paged_decode_attention_triton(q, k_cache, v_cache, table, context_lens, scale=scale, num_splits=2)
+    num_parts, size = PA.decode_partition_plan(len(lens), num_kv_heads, head_dim, table.shape[1] * block_size,
+                                               device, 2)
     assert num_parts == 2 and capture.m.shape == (len(lens), num_q_heads, num_parts), (num_parts, capture.m.shape)
-    block_n = A._decode_config(device, head_dim)["BLOCK_N"]
+    block_n = PA._decode_config(device, head_dim)["BLOCK_N"]
     c, u = scale * math.log2(math.e), 2.0**-24
-    rel_p, abs_p = P_ERROR[dot_16bit][dtype]
+    rel_p, abs_p = P_ERROR[dtype]
     for b, n in enumerate(lens):
         blocks = table[b, :math.ceil(n / block_size)]
-        keys, values = (A._gather_keys(cache, blocks, n).double().repeat_interleave(group, dim=1)
+        keys, values = (PA._gather_keys(cache, blocks, n).double().repeat_interleave(group, dim=1)
                         for cache in (k_cache, v_cache))
         for part in range(num_parts):
             lo, hi = part * size, n if part == num_parts - 1 else min(n, (part + 1) * size)
@@ -461,20 +450,20 @@ def test_paged_decode_padding_rows_and_max_context_len(device):
         out = check_decode(q, k_cache, v_cache, table, lens, num_splits=num_splits, max_context_len=max_context_len)
         assert (out[1] == 0).all()
     out = torch.empty_like(q)
-    assert A.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=0.125, out=out) is out
+    assert PA.paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale=0.125, out=out) is out
 
 
 def test_decode_config_takes_the_prefetch_launch_for_few_programs(monkeypatch):
     # On an H200 (132 SMs): a one-pass launch of <= 264 programs prefetches in registers with 64-token tiles
     # and 8 warps; more programs, or a split launch, keep Triton's pipelined configs.
-    monkeypatch.setattr(A, "num_sms", lambda device: 132)
+    monkeypatch.setattr(PA, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
-    few = A._decode_config(cuda, 128, programs=2 * 132)
+    few = PA._decode_config(cuda, 128, programs=2 * 132)
     assert few == dict(BLOCK_N=64, num_warps=8, num_stages=1, PREFETCH=True)
-    assert A._decode_config(cuda, 128, programs=2 * 132 + 1) == dict(BLOCK_N=32, num_warps=4, num_stages=4)
-    assert A._decode_config(cuda, 128, split=True, programs=4) == dict(BLOCK_N=128, num_warps=4, num_stages=3)
-    assert A._decode_config(cuda, 256, programs=4) == dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    assert A._decode_config(torch.device("cpu"), 128, programs=4) == dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    assert PA._decode_config(cuda, 128, programs=2 * 132 + 1) == dict(BLOCK_N=32, num_warps=4, num_stages=4)
+    assert PA._decode_config(cuda, 128, split=True, programs=4) == dict(BLOCK_N=128, num_warps=4, num_stages=3)
+    assert PA._decode_config(cuda, 256, programs=4) == dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    assert PA._decode_config(torch.device("cpu"), 128, programs=4) == dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
 
 def test_paged_decode_config_override(device):
@@ -488,26 +477,26 @@ def test_paged_decode_config_override(device):
 def test_paged_decode_merge_over_several_chunks(device, monkeypatch, head_dim):
     """The split-K merge loops over partitions CHUNK_P at a time and splits head_dim over programs:
     with 2-partition chunks, 5 partitions take three loads (the last partly masked)."""
-    monkeypatch.setattr(A, "DECODE_REDUCE_CHUNK", 2)
-    monkeypatch.setattr(A, "DECODE_REDUCE_BLOCK_D", 16)
+    monkeypatch.setattr(PA, "DECODE_REDUCE_CHUNK", 2)
+    monkeypatch.setattr(PA, "DECODE_REDUCE_BLOCK_D", 16)
     inputs = decode_inputs(4, 2, head_dim, 16, [150, 97, 3], torch.bfloat16, device)
     check_decode(*inputs, num_splits=5)
 
 
 def test_decode_num_splits_rule():
     sms = 132  # H200
-    assert A.decode_num_splits(128, 4, 1024, sms) == 1         # 512 programs fill the GPU
-    assert A.decode_num_splits(17, 4, 1024, sms) == 1          # 68 programs: at least half the SMs
-    assert A.decode_num_splits(64, 2, 1024, sms) == 1          # 1.5B decode batch: 128 programs
-    assert A.decode_num_splits(16, 4, 4096, sms) == 4          # 64 programs -> 264 // 64: two full waves
-    assert A.decode_num_splits(16, 4, 300, sms) == 3           # partitions >= 128 tokens
-    assert A.decode_num_splits(1, 4, 16384, sms) == 66         # 264 // 4
-    assert A.decode_partitions(16384, 66, 128) == (64, 256)    # 249 rounded up to whole 128-token tiles
-    assert A.decode_num_splits(1, 4, 4096, sms) == 32          # 66 wanted, 128 tokens at least
-    assert A.decode_num_splits(1, 1, 10**6, 1024) == 512       # capped at DECODE_MAX_SPLITS
-    assert A.decode_num_splits(1, 4, 100, sms) == 1
-    assert A.decode_partitions(100, 3, 32) == (2, 64)         # 34 rounded up to whole 32-token tiles
-    assert A.decode_partitions(65, 1, 32) == (1, 96)
+    assert PA.decode_num_splits(128, 4, 1024, sms) == 1         # 512 programs fill the GPU
+    assert PA.decode_num_splits(17, 4, 1024, sms) == 1          # 68 programs: at least half the SMs
+    assert PA.decode_num_splits(64, 2, 1024, sms) == 1          # 1.5B decode batch: 128 programs
+    assert PA.decode_num_splits(16, 4, 4096, sms) == 4          # 64 programs -> 264 // 64: two full waves
+    assert PA.decode_num_splits(16, 4, 300, sms) == 3           # partitions >= 128 tokens
+    assert PA.decode_num_splits(1, 4, 16384, sms) == 66         # 264 // 4
+    assert PA.decode_partitions(16384, 66, 128) == (64, 256)    # 249 rounded up to whole 128-token tiles
+    assert PA.decode_num_splits(1, 4, 4096, sms) == 32          # 66 wanted, 128 tokens at least
+    assert PA.decode_num_splits(1, 1, 10**6, 1024) == 512       # capped at DECODE_MAX_SPLITS
+    assert PA.decode_num_splits(1, 4, 100, sms) == 1
+    assert PA.decode_partitions(100, 3, 32) == (2, 64)         # 34 rounded up to whole 32-token tiles
+    assert PA.decode_partitions(65, 1, 32) == (1, 96)
 
 
 def _decode_args(device):
@@ -516,36 +505,39 @@ def _decode_args(device):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda a: a.update(q=a["q"][None]), "q must be 3-D"),
-    (lambda a: a.update(q=a["q"].double()), "q must be torch.float16 or"),
+    (lambda a: a.update(q=a["q"][None]), "paged_decode_attention: q must be 3-D"),
+    (lambda a: a.update(q=a["q"].double()), "q must be torch.bfloat16 or torch.float16 or"),
     (lambda a: a.update(q=a["q"][:, :3]), r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
     (lambda a: a.update(q=a["q"][..., :32]), "k_cache has head_dim 64, the inputs have head_dim 32"),
-    (lambda a: a.update(q=a["q"].half()), "k_cache is torch.bfloat16 but the inputs are torch.float16"),
-    (lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), "q must be contiguous"),
+    (lambda a: a.update(q=a["q"].half()), "k_cache must be torch.float16, got torch.bfloat16"),
+    (lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), "q must have unit stride"),
     (lambda a: a.update(k_cache=a["k_cache"][:, :, :, None]), "k_cache must be 4-D"),
-    (lambda a: a.update(v_cache=a["v_cache"][:, :8]), "k_cache and v_cache must have one shape"),
+    (lambda a: a.update(v_cache=a["v_cache"][:, :8]), r"v_cache must have shape \(\d+, 16, 2, 64\)"),
     (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must be torch.int32"),
     (lambda a: a.update(block_tables=a["block_tables"][:1]), "block_tables must have one row per sequence"),
     (lambda a: a.update(block_tables=a["block_tables"].to("meta")), "block_tables is on meta"),
     (lambda a: a.update(context_lens=a["context_lens"].long()), "context_lens must be torch.int32"),
     (lambda a: a.update(context_lens=a["context_lens"][:1]), r"context_lens must have shape \(2,\)"),
-    (lambda a: a.update(scale=0.0), "scale must be a positive finite number"),
-    (lambda a: a.update(sliding_window=0), "sliding_window must be None or an int >= 1"),
-    (lambda a: a.update(num_splits=0), r"num_splits must be None or an int in \[1, 512\]"),
-    (lambda a: a.update(max_context_len=10**6), r"max_context_len must be an int in \[1, 48\]"),
+    (lambda a: a.update(scale=0.0), r"scale must be in \(0, inf\)"),
+    (lambda a: a.update(sliding_window=0), r"sliding_window must be in \[1, inf\)"),
+    (lambda a: a.update(num_splits=0), r"num_splits must be in \[1, 512\]"),
+    (lambda a: a.update(max_context_len=10**6), r"max_context_len must be in \[1, 48\]"),
     (lambda a: a.update(out=a["q"].float()), "out must be torch.bfloat16"),
-    (lambda a: a.update(config=dict(BLOCK_M=16)),
-     r"config keys must be among \['BLOCK_N', 'DOT_16BIT', 'PREFETCH', 'num_stages', 'num_warps'\]"),
-    (lambda a: a.update(config=dict(PREFETCH=1)), "config PREFETCH must be a bool, got 1"),
-    (lambda a: a.update(config=dict(DOT_16BIT=1)), "config DOT_16BIT must be a bool, .* got 1 with torch.bfloat16"),
-    (lambda a: a.update(q=a["q"].float(), k_cache=a["k_cache"].float(), v_cache=a["v_cache"].float(),
-                        config=dict(DOT_16BIT=True)), "False for float32 inputs, got True with torch.float32"),
 ])
 def test_paged_decode_bad_input(device, change, match):
     args = _decode_args(device)
     change(args)
     with pytest.raises(ValueError, match=match):
-        A.paged_decode_attention_triton(**args)
+        PA.paged_decode_attention(**args)
+
+
+@pytest.mark.parametrize("config,match", [
+    (dict(BLOCK_M=16), r"config keys must be among \['BLOCK_N', 'PREFETCH', 'num_stages', 'num_warps'\]"),
+    (dict(PREFETCH=1), "config PREFETCH must be a bool, got 1"),
+])
+def test_paged_decode_bad_config(device, config, match):
+    with pytest.raises(ValueError, match=match):
+        PA.paged_decode_attention_triton(**_decode_args(device), config=config)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -556,42 +548,32 @@ def test_paged_decode_ref_checks_index_values(device, change, match):
     args = _decode_args(device)
     change(args)
     with pytest.raises(ValueError, match=match):
-        A.paged_decode_attention_ref(**args)
+        PA.paged_decode_attention_ref(**args)
 
 
 # --------------------------------------------------------------------------------------------------
 # prefill attention
 
 
-def prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, dtype, device, *, block_size=None,
-                   shared_prefix_blocks=0):
-    """q and cu_seqlens, plus dense k/v (block_size None) or a paged cache holding all len_k keys."""
+def prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, dtype, device):
+    """q, packed k/v and their cu_seqlens."""
     q = torch.randn(sum(lens_q), num_q_heads, head_dim, dtype=dtype, device=device)
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-    if block_size is None:
-        k = torch.randn(sum(lens_k), num_kv_heads, head_dim, dtype=dtype, device=device)
-        return dict(q=q, k=k, v=torch.randn_like(k), **kw)
-    k_cache, v_cache, table = paged_kv(lens_k, block_size, num_kv_heads, head_dim, dtype, device,
-                                       shared_prefix_blocks=shared_prefix_blocks)
-    return dict(q=q, k=None, v=None, k_cache=k_cache, v_cache=v_cache, block_tables=table, **kw)
+    k = torch.randn(sum(lens_k), num_kv_heads, head_dim, dtype=dtype, device=device)
+    return dict(q=q, k=k, v=torch.randn_like(k), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                max_seqlen_k=max(lens_k))
 
 
-PREFILL_PATHS = [pytest.param(None, id="dot16-p8"), pytest.param({"P_SPLIT": True}, id="dot16-psplit"),
-                 pytest.param({"DOT_16BIT": False}, id="upcast")]
-"""The prefill kernel's dot paths: 16-bit dots with P rounded once to the dtype (flash-attention's P, the
-default), with P split in two (the decode kernel's scheme), and the fp32 upcast with TF32 dots. Each within
-K_TOL of torch's own error."""
-
-
-def check_prefill(args: dict, sliding_window=None, config: dict | None = None) -> torch.Tensor:
+def check_prefill(args: dict, sliding_window=None) -> torch.Tensor:
+    """The kernel (16-bit dots with P rounded once to the dtype, as flash-attention) within K_TOL of torch's
+    own error."""
     args = dict(args, scale=args["q"].shape[-1] ** -0.5, sliding_window=sliding_window)
-    out = A.prefill_attention_triton(**args, config=config)
-    wide = {name: (t.double() if t is not None and t.is_floating_point() else t) for name, t in args.items()
-            if isinstance(t, torch.Tensor) or t is None}
-    exact = A.prefill_attention_ref(**{**args, **wide})
-    same = A.prefill_attention_ref(**args, compute_dtype=args["q"].dtype)
+    out = PF.prefill_attention_triton(**args)
+    wide = {name: (t.double() if t.is_floating_point() else t) for name, t in args.items()
+            if isinstance(t, torch.Tensor)}
+    exact = PF.prefill_attention_ref(**{**args, **wide})
+    same = PF.prefill_attention_ref(**args, compute_dtype=args["q"].dtype)
     assert_close_to_exact(out, exact, same)
     return out
 
@@ -603,16 +585,12 @@ def check_prefill(args: dict, sliding_window=None, config: dict | None = None) -
     pytest.param(8, 2, 64, [3, 1, 17], [10, 7, 17], id="gqa4-bottom-right"),
     pytest.param(7, 1, 128, [18], [18], id="gqa7-d128"),
 ])
-@pytest.mark.parametrize("config", PREFILL_PATHS)
-def test_prefill_dense_matches_reference(device, num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, window, config):
-    check_prefill(prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, torch.bfloat16, device), window,
-                  config)
+def test_prefill_dense_matches_reference(device, num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, window):
+    check_prefill(prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, torch.bfloat16, device), window)
 
 
-@pytest.mark.parametrize("config", PREFILL_PATHS[:2])
-def test_prefill_fp16(device, config):
-    check_prefill(prefill_inputs(8, 2, 64, [3, 1, 17], [10, 7, 17], torch.float16, device), None, config)
-    check_prefill(prefill_inputs(8, 2, 64, [5, 9], [21, 9], torch.float16, device, block_size=4), 6, config)
+def test_prefill_fp16(device):
+    check_prefill(prefill_inputs(8, 2, 64, [3, 1, 17], [10, 7, 17], torch.float16, device), None)
 
 
 def test_prefill_rows_without_keys_are_zero(device):
@@ -621,78 +599,49 @@ def test_prefill_rows_without_keys_are_zero(device):
     assert (out[:3] == 0).all() and (out[3:] != 0).any()
 
 
-@pytest.mark.parametrize("window", [None, 9], ids=["causal", "window9"])
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size,lens_q,lens_k,shared", [
-    # the n = 3 samples of one prompt: 2 shared prefix blocks (32 tokens), then their own tokens
-    pytest.param(8, 2, 64, 16, [5, 1, 3], [37, 33, 35], 2, id="shared-prefix-bs16"),
-    # chunked prefill: this chunk of 7 after 20 tokens of earlier chunks; and a first chunk of 13
-    pytest.param(7, 1, 128, 32, [7, 13], [27, 13], 0, id="chunked-gqa7-d128-bs32"),
-])
-@pytest.mark.parametrize("config", PREFILL_PATHS)
-def test_prefill_paged_matches_reference(device, num_q_heads, num_kv_heads, head_dim, block_size, lens_q, lens_k,
-                                         shared, window, config):
-    args = prefill_inputs(num_q_heads, num_kv_heads, head_dim, lens_q, lens_k, torch.bfloat16, device,
-                          block_size=block_size, shared_prefix_blocks=shared)
-    check_prefill(args, window, config)
-
-
-@pytest.mark.parametrize("config,dtype,match", [
-    ({"BLOCK_K": 32}, torch.bfloat16, r"config keys must be among .*, got \['BLOCK_K'\]"),
-    ({"DOT_16BIT": True}, torch.float32, "config DOT_16BIT must be a bool, and False for float32 inputs"),
-    ({"P_SPLIT": 1}, torch.bfloat16, "config P_SPLIT must be a bool, got 1"),
-])
-def test_prefill_bad_config(device, config, dtype, match):
-    args = dict(prefill_inputs(4, 2, 64, [3], [3], dtype, device), scale=0.125)
-    with pytest.raises(ValueError, match=match):
-        A.prefill_attention_triton(**args, config=config)
+def test_prefill_bad_config(device):
+    args = dict(prefill_inputs(4, 2, 64, [3], [3], torch.bfloat16, device), scale=0.125)
+    with pytest.raises(ValueError, match=r"config keys must be among .*, got \['BLOCK_K'\]"):
+        PF.prefill_attention_triton(**args, config={"BLOCK_K": 32})
 
 
 def test_prefill_fp32(device):
     check_prefill(prefill_inputs(4, 2, 64, [6, 17], [6, 20], torch.float32, device))
-    check_prefill(prefill_inputs(4, 2, 64, [6, 17], [6, 20], torch.float32, device, block_size=16))
 
 
-def _prefill_args(device, paged: bool):
-    args = prefill_inputs(4, 2, 64, [3, 5], [3, 20], torch.bfloat16, device, block_size=16 if paged else None)
-    return dict(args, scale=0.125)
+def _prefill_args(device):
+    return dict(prefill_inputs(4, 2, 64, [3, 5], [3, 20], torch.bfloat16, device), scale=0.125)
 
 
-@pytest.mark.parametrize("paged,change,match", [
-    (False, lambda a: a.update(q=a["q"][0]), "q must be 3-D"),
-    (False, lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q must be torch.int32"),
-    (False, lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:2]), r"cu_seqlens_k must have shape \(3,\)"),
-    (False, lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"].to("meta")), "cu_seqlens_k is on meta"),
-    (False, lambda a: a.update(max_seqlen_q=None), "max_seqlen_q must be an int >= 0"),
-    (False, lambda a: a.update(k=a["k"].half()), "k is torch.float16 but q is torch.bfloat16"),
-    (False, lambda a: a.update(v=a["v"][:4]), r"v must have shape \(23, 2, 64\)"),
-    (False, lambda a: a.update(k=a["k"][:, :, :32], v=a["v"][:, :, :32]), "k has head_dim 32, q has head_dim 64"),
-    (False, lambda a: a.update(q=a["q"][:, :3]), r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
-    (False, lambda a: a.update(k=None), "k must be a torch.Tensor"),
-    (False, lambda a: a.update(sliding_window=-1), "sliding_window must be None or an int >= 1"),
-    (False, lambda a: a.update(k_cache=a["k"]), "k_cache and v_cache are only read through block_tables"),
-    (True, lambda a: a.update(k=a["q"]), "k and v must be None when block_tables is given"),
-    (True, lambda a: a.update(v_cache=None), "block_tables needs k_cache and v_cache"),
-    (True, lambda a: a.update(block_tables=a["block_tables"][:1]), r"one row per sequence \(B = 2"),
-    (True, lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must be torch.int32"),
-    (True, lambda a: a.update(k_cache=a["k_cache"].half(), v_cache=a["v_cache"].half()), "k_cache is torch.float16"),
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(q=a["q"][0]), "prefill_attention: q must be 3-D"),
+    (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q must be torch.int32"),
+    (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:2]), r"cu_seqlens_k must have shape \(3,\)"),
+    (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"].to("meta")), "cu_seqlens_k is on meta"),
+    (lambda a: a.update(max_seqlen_q=None), "max_seqlen_q must be a finite integer"),
+    (lambda a: a.update(k=a["k"].half()), "k must be torch.bfloat16, got torch.float16"),
+    (lambda a: a.update(v=a["v"][:4]), r"v must have shape \(23, 2, 64\)"),
+    (lambda a: a.update(k=a["k"][:, :, :32], v=a["v"][:, :, :32]), "k has head_dim 32, q has head_dim 64"),
+    (lambda a: a.update(q=a["q"][:, :3]), r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    (lambda a: a.update(k=None), "k must be a torch.Tensor"),
+    (lambda a: a.update(sliding_window=-1), r"sliding_window must be in \[1, inf\)"),
 ])
-def test_prefill_bad_input(device, paged, change, match):
-    args = _prefill_args(device, paged)
+def test_prefill_bad_input(device, change, match):
+    args = _prefill_args(device)
     change(args)
     with pytest.raises(ValueError, match=match):
-        A.prefill_attention_triton(**args)
+        PF.prefill_attention(**args)
 
 
 @pytest.mark.parametrize("change,match", [
     (lambda a: a.update(max_seqlen_k=19), "sequence 1 has 5 queries and 20 keys, over"),
     (lambda a: a["cu_seqlens_q"].__setitem__(2, 7), r"cu_seqlens_q must run from 0 to total_q = 8"),
-    (lambda a: a["block_tables"].__setitem__((1, 1), 10**4), r"block_tables\[1\] has block ids"),
 ])
 def test_prefill_ref_checks_index_values(device, change, match):
-    args = _prefill_args(device, paged=True)
+    args = _prefill_args(device)
     change(args)
     with pytest.raises(ValueError, match=match):
-        A.prefill_attention_ref(**args)
+        PF.prefill_attention_ref(**args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -702,16 +651,28 @@ def test_prefill_ref_checks_index_values(device, change, match):
 def test_ops_run_the_reference_on_cpu():
     dev = torch.device("cpu")
     args = _decode_args(dev)
-    torch.testing.assert_close(A.paged_decode_attention(**args), A.paged_decode_attention_ref(**args), rtol=0, atol=0)
-    pargs = _prefill_args(dev, paged=True)
-    torch.testing.assert_close(A.prefill_attention(**pargs), A.prefill_attention_ref(**pargs), rtol=0, atol=0)
+    torch.testing.assert_close(PA.paged_decode_attention(**args), PA.paged_decode_attention_ref(**args),
+                               rtol=0, atol=0)
+    pargs = _prefill_args(dev)
+    torch.testing.assert_close(PF.prefill_attention(**pargs), PF.prefill_attention_ref(**pargs), rtol=0, atol=0)
     sargs, ref = _store_args(dev), _store_args(dev)
     ref["key"], ref["value"] = sargs["key"], sargs["value"]
-    A.store_kv(**sargs)
-    A.store_kv_ref(**ref)
+    KV.store_kv(**sargs)
+    KV.store_kv_ref(**ref)
     assert torch.equal(bits(sargs["k_cache"]), bits(ref["k_cache"]))
-    assert A.implementations("cpu") == {op: "torch reference" for op in
-                                        ("store_kv", "paged_decode_attention", "prefill_attention")}
+    ops = KV.implementations("cpu") | PA.implementations("cpu") | PF.implementations("cpu")
+    assert ops == {op: "torch reference" for op in
+                   ("store_kv", "rope_store_kv", "paged_decode_attention", "prefill_attention")}
+
+
+def test_ops_take_the_kernels_where_use_kernel_says(monkeypatch):
+    """The ops dispatch through `_launch.use_kernel` (looked up per call): patched, they run the launchers on CPU."""
+    dev = torch.device("cpu")
+    monkeypatch.setattr(_launch, "use_kernel", lambda t: True)
+    args = _decode_args(dev)
+    assert torch.equal(PA.paged_decode_attention(**args), PA.paged_decode_attention_triton(**args))
+    pargs = _prefill_args(dev)
+    assert torch.equal(PF.prefill_attention(**pargs), PF.prefill_attention_triton(**pargs))
 
 
 def test_kernels_import_as_package():
@@ -751,31 +712,30 @@ def test_gpu_store_kv_qwen2_7b(device):
     slots = torch.randperm(4096 * 16, device=device)[:2000]
     slots[::7] = -1
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    A.store_kv(key, -key, k_cache, v_cache, slots)
-    A.store_kv_ref(key, -key, k_ref, v_ref, slots)
+    KV.store_kv(key, -key, k_cache, v_cache, slots)
+    KV.store_kv_ref(key, -key, k_ref, v_ref, slots)
     assert torch.equal(bits(k_cache), bits(k_ref)) and torch.equal(bits(v_cache), bits(v_ref))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged-prefix"])
-def test_gpu_prefill_qwen2_7b(device, paged):
+@pytest.mark.parametrize("prefix", [0, 256], ids=["self", "prefix256"])
+def test_gpu_prefill_qwen2_7b(device, prefix):
     lens_q = torch.randint(100, 500, (8,)).tolist()
-    lens_k = [n + (256 if paged else 0) for n in lens_q]
-    args = prefill_inputs(28, 4, 128, lens_q, lens_k, torch.bfloat16, device, block_size=16 if paged else None,
-                          shared_prefix_blocks=16 if paged else 0)
+    lens_k = [n + prefix for n in lens_q]
+    args = prefill_inputs(28, 4, 128, lens_q, lens_k, torch.bfloat16, device)
     check_prefill(args)
     check_prefill(args, sliding_window=128)
 
 
 @pytest.mark.gpu
 def test_gpu_prefill_dispatch(device):
-    """The op as the engine calls it: flash-attn's varlen kernel when installed (dense here), else Triton."""
+    """The op as the engine calls it: flash-attn's varlen kernel when installed, else Triton."""
     args = prefill_inputs(28, 4, 128, [300, 17, 129], [300, 17, 129], torch.bfloat16, device)
     args = dict(args, scale=128**-0.5)
-    out = A.prefill_attention(**args)
+    out = PF.prefill_attention(**args)
     wide = {k: v.double() for k, v in args.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-    exact = A.prefill_attention_ref(**{**args, **wide})
+    exact = PF.prefill_attention_ref(**{**args, **wide})
     # flash-attn rounds P to bf16 before P @ V: allow torch's bf16 error twice over
-    same = A.prefill_attention_ref(**args, compute_dtype=torch.bfloat16)
+    same = PF.prefill_attention_ref(**args, compute_dtype=torch.bfloat16)
     err, torch_err = ((t.double() - exact).abs().max().item() for t in (out, same))
     assert err <= 2 * torch_err + output_rounding(exact, torch.bfloat16)

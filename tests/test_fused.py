@@ -1,6 +1,6 @@
-"""The fused rollout elementwise kernels (hybridengine.ops.fused) against their plain-torch references,
-under the Triton interpreter on CPU and on the GPU; and the model's fused paged forward against the
-eager one.
+"""The elementwise ops (hybridengine.ops.rms_norm, .silu_mul, .rope) against their plain-torch references,
+under the Triton interpreter on CPU and on the GPU; the training variants' gradients; the model's fused
+paged forward against the eager one; stacked_rows.
 
 Tolerances: the kernels round where eager torch rounds, so they differ only where one fp32
 operation differs in the last bit (RMSNorm's sum of squares in another order, SiLU's exp): after
@@ -13,7 +13,11 @@ output's magnitude (|x| * eps bounds one ulp at x). Copies and single roundings 
 import pytest
 import torch
 
-from hybridengine.ops import fused
+from hybridengine.ops import _launch
+from hybridengine.ops.rms_norm import rms_norm, rms_norm_ref, rms_norm_train, rms_norm_triton
+from hybridengine.ops.rope import rope_ref, rope_train, rope_triton_
+from hybridengine.ops.silu_mul import silu_mul, silu_mul_ref, silu_mul_train, silu_mul_triton
+from hybridengine.ops.stacked_rows import stacked_rows
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Every test here runs on the GPU (marked `gpu`) and, on a machine without one, on CPU under the
@@ -52,9 +56,9 @@ def test_rms_norm_kernel(device, dtype, rows, cols):
     r = torch.randn(rows, cols, generator=g).to(dtype).to(device)
     w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype).to(device)
     ulps = RMS_FP32_ULPS if dtype == torch.float32 else 2.0
-    assert_within_ulp(fused.rms_norm_triton(x, w, 1e-6), fused.rms_norm_ref(x, w, 1e-6), ulps=ulps)
-    y, h = fused.rms_norm_triton(x, w, 1e-6, residual=r)
-    y_ref, h_ref = fused.rms_norm_ref(x, w, 1e-6, residual=r)
+    assert_within_ulp(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), ulps=ulps)
+    y, h = rms_norm_triton(x, w, 1e-6, residual=r)
+    y_ref, h_ref = rms_norm_ref(x, w, 1e-6, residual=r)
     assert torch.equal(h, h_ref)  # the residual sum is one rounding, as in torch
     assert_within_ulp(y, y_ref, ulps=ulps)
 
@@ -69,8 +73,8 @@ def test_rope_kernel_is_exact(device, dtype, tokens, hq, hk, d):
     angle = torch.rand(tokens, d // 2, generator=g) * 100
     cos = torch.cat([angle.cos()] * 2, -1).to(dtype).to(device)
     sin = torch.cat([angle.sin()] * 2, -1).to(dtype).to(device)
-    q_ref, k_ref = fused.rope_ref(q, k, cos, sin)
-    q_out, k_out = fused.rope_triton_(q.clone(), k.clone(), cos, sin)
+    q_ref, k_ref = rope_ref(q, k, cos, sin)
+    q_out, k_out = rope_triton_(q.clone(), k.clone(), cos, sin)
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
 
 
@@ -87,30 +91,33 @@ def test_silu_mul_kernel(device, dtype, rows, cols):
     if dtype == torch.float32 and gate.is_cuda:
         # On the GPU tl.exp is ex2.approx(g * log2 e): the product's rounding (2^-24 relative) scales by
         # |g| ln 2 log2 e = |g| in the exponent, so exp(-g) is off by up to |g| ulp more; the 4-ulp bound
-        # failed there (H200, 2026-11-30). bf16/fp16 absorb that in their rounding.
+        # failed there. bf16/fp16 absorb that in their rounding.
         ulps += gate.abs().max().item()
-    assert_within_ulp(fused.silu_mul_triton(gate, up), fused.silu_mul_ref(gate, up), ulps=ulps)
+    assert_within_ulp(silu_mul_triton(gate, up), silu_mul_ref(gate, up), ulps=ulps)
 
 
 def test_zero_rows(device):
     x = torch.empty(0, 64, device=device)
     w = torch.ones(64, device=device)
-    assert fused.rms_norm_triton(x, w, 1e-6).shape == (0, 64)
-    assert fused.silu_mul_triton(x, x).shape == (0, 64)
+    assert rms_norm_triton(x, w, 1e-6).shape == (0, 64)
+    assert silu_mul_triton(x, x).shape == (0, 64)
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda x, w: fused.rms_norm_triton(x[0], w, 1e-6), "x must be a 2-D"),
-    (lambda x, w: fused.rms_norm_triton(x.double(), w, 1e-6), "x must be bf16, fp16 or fp32"),
-    (lambda x, w: fused.rms_norm_triton(x.t(), w, 1e-6), "x must have unit stride"),
-    (lambda x, w: fused.rms_norm_triton(x, w[:3], 1e-6), r"weight must be \[8\]"),
-    (lambda x, w: fused.rms_norm_triton(x, w, 0.0), "eps must be a float > 0"),
-    (lambda x, w: fused.rms_norm_triton(x, w, 1e-6, residual=x[:2]), r"residual must be \(8, 8\)"),
-    (lambda x, w: fused.silu_mul_triton(x, x[:, :4]), "up has 4 columns, expected 8"),
-    (lambda x, w: fused.rope_triton_(x[None], x[None], w, w), r"cos must be \[1, 8\]"),
-    (lambda x, w: fused.rope_triton_(x[None, :, :7], x[None, :, :7], x[:1, :7], x[:1, :7]), "head_dim must be even"),
+    (lambda x, w: rms_norm(x[0, 0], w, 1e-6), r"rms_norm: x must be \[..., hidden\], got a 0-D tensor"),
+    (lambda x, w: rms_norm(x.double(), w, 1e-6), "x must be torch.bfloat16 or torch.float16 or torch.float32"),
+    (lambda x, w: rms_norm(x.t(), w, 1e-6), "x must have unit stride"),
+    (lambda x, w: rms_norm(x, w[:3], 1e-6), r"weight must have shape \(8,\)"),
+    (lambda x, w: rms_norm(x, w, 0.0), r"eps must be in \(0, inf\)"),
+    (lambda x, w: rms_norm(x, w, 1e-6, residual=x[:2]), r"residual must have shape \(8, 8\)"),
+    (lambda x, w: rms_norm_train(x.double(), w, 1e-6), "rms_norm_train: x must be torch.bfloat16 or"),
+    (lambda x, w: silu_mul(x, x[:, :4]), r"up must have shape \(8, 8\), got \(8, 4\)"),
+    (lambda x, w: silu_mul_train(x, x.half()), "silu_mul_train: up must be torch.float32"),
+    (lambda x, w: rope_train(x[None], x[None], w, w), r"cos must have shape \(1, 8\)"),
+    (lambda x, w: rope_train(x[None, :, :7], x[None, :, :7], x[:1, :7], x[:1, :7]), "head_dim must be even"),
 ])
 def test_bad_input(device, call, match):
+    """The ops check their arguments on every device (the launchers only assert)."""
     x = torch.randn(8, 8, device=device)
     w = torch.ones(8, device=device)
     with pytest.raises(ValueError, match=match):
@@ -120,13 +127,12 @@ def test_bad_input(device, call, match):
 def test_model_fused_paged_forward_matches_eager(device, monkeypatch):
     """The model's paged forward with the fused path (fused=True, the Triton kernels, RoPE inside the KV
     store's: under the interpreter on CPU) against the eager module code, on a tiny Qwen3 (q/k norms) and
-    Qwen2 (q/k/v biases), fp32: logits within a few fp32 ulps of accumulated elementwise differences."""
+    Qwen2 (q/k/v biases), fp32: logits within a few fp32 ulps of accumulated elementwise differences. Both
+    runs store and attend with the same kernels (every op takes its kernel here, also on CPU)."""
     import hybridengine as he
-    from hybridengine.ops import attention
     from hybridengine.rollout.runner import AttentionMetadata, KVCache
 
-    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
-    monkeypatch.setattr(attention, "rope_store_kv", attention.rope_store_kv_triton)  # the kernel, also on CPU
+    monkeypatch.setattr(_launch, "use_kernel", lambda t: True)
     for name in ("tiny-qwen3", "tiny-qwen2"):
         torch.manual_seed(0)
         model = he.load_model(he.model_config(name), dtype=torch.float32, device=device)
@@ -148,12 +154,12 @@ def test_model_fused_paged_forward_matches_eager(device, monkeypatch):
 def test_stacked_rows():
     flat = torch.arange(2 * 6 * 4 + 8, dtype=torch.float32)
     a, b = flat[:24].view(6, 4), flat[24:48].view(6, 4)
-    both = fused.stacked_rows(a, b)
+    both = stacked_rows(a, b)
     assert both is not None and torch.equal(both, torch.cat([a, b])) and both.data_ptr() == a.data_ptr()
-    assert fused.stacked_rows(a, flat[28:52].view(6, 4)) is None       # a gap
-    assert fused.stacked_rows(b, a) is None                            # wrong order
-    assert fused.stacked_rows(a, flat[24:48].view(4, 6)) is None       # another width
-    assert fused.stacked_rows(a, flat[24:48].clone().view(6, 4)) is None  # another storage
+    assert stacked_rows(a, flat[28:52].view(6, 4)) is None       # a gap
+    assert stacked_rows(b, a) is None                            # wrong order
+    assert stacked_rows(a, flat[24:48].view(4, 6)) is None       # another width
+    assert stacked_rows(a, flat[24:48].clone().view(6, 4)) is None  # another storage
 
 
 def test_engine_generation_weights_allow_one_gate_up_gemm():
@@ -165,10 +171,10 @@ def test_engine_generation_weights_allow_one_gate_up_gemm():
                                                                              max_model_len=32, max_num_seqs=2))
     with engine.rollout():
         for layer in engine.model.model.layers:
-            assert fused.stacked_rows(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight) is not None
+            assert stacked_rows(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight) is not None
             a = layer.self_attn
-            assert fused.stacked_rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) is not None
-            assert fused.stacked_rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) is not None
+            assert stacked_rows(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) is not None
+            assert stacked_rows(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) is not None
     specs = he.load_model(he.model_config("tiny-qwen2"), dtype=torch.float32, device="cpu").flat_buffer.layout.specs
     for layout in (engine.sharded.layout, he.ShardedLayout(specs, world_size=4, tp_size=2, element_size=2)):
         _check_gate_up_adjacent(layout)
@@ -219,31 +225,31 @@ def _check_grads(kernel_fn, ref_fn, inputs, dy, factor=4.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_train_gradients(device, monkeypatch, dtype):
-    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
+    monkeypatch.setattr(_launch, "use_kernel", lambda t: True)
     g = torch.Generator().manual_seed(1)
     rows, cols = 70, 96  # 3 backward programs of 32 rows, the last partial
     x = (torch.randn(rows, cols, generator=g) * 2).to(dtype).to(device).requires_grad_()
     w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype).to(device).requires_grad_()
     dy = torch.randn(rows, cols, generator=g).to(dtype).to(device)
-    outs, ref_outs = _check_grads(lambda x, w: fused.rms_norm_train(x, w, 1e-6),
-                                  lambda x, w: fused.rms_norm_ref(x, w, 1e-6), [x, w], dy)
+    outs, ref_outs = _check_grads(lambda x, w: rms_norm_train(x, w, 1e-6),
+                                  lambda x, w: rms_norm_ref(x, w, 1e-6), [x, w], dy)
     assert_within_ulp(outs[0], ref_outs[0], ulps=RMS_FP32_ULPS if dtype == torch.float32 else 2.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_train_gradients(device, monkeypatch, dtype):
-    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
+    monkeypatch.setattr(_launch, "use_kernel", lambda t: True)
     g = torch.Generator().manual_seed(2)
     gate = (torch.randn(9, 130, generator=g) * 3).to(dtype).to(device).requires_grad_()
     up = torch.randn(9, 130, generator=g).to(dtype).to(device).requires_grad_()
     dy = torch.randn(9, 130, generator=g).to(dtype).to(device)
-    _check_grads(fused.silu_mul_train, fused.silu_mul_ref, [gate, up], dy)
+    _check_grads(silu_mul_train, silu_mul_ref, [gate, up], dy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_train_gradients(device, monkeypatch, dtype):
     """The rotation is orthogonal: its backward is the rotation by -angle, exact up to rounding."""
-    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
+    monkeypatch.setattr(_launch, "use_kernel", lambda t: True)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(5, 6, 32, generator=g).to(dtype).to(device).requires_grad_()
     k = torch.randn(5, 2, 32, generator=g).to(dtype).to(device).requires_grad_()
@@ -251,7 +257,7 @@ def test_rope_train_gradients(device, monkeypatch, dtype):
     cos = torch.cat([angle.cos()] * 2, -1).to(dtype).to(device)
     sin = torch.cat([angle.sin()] * 2, -1).to(dtype).to(device)
     dq, dk = torch.randn(5, 6, 32, generator=g).to(dtype).to(device), torch.randn(5, 2, 32, generator=g).to(dtype).to(device)
-    outs, ref_outs = _check_grads(lambda q, k: fused.rope_train(q, k, cos, sin),
-                                  lambda q, k: fused.rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], (dq, dk))
+    outs, ref_outs = _check_grads(lambda q, k: rope_train(q, k, cos, sin),
+                                  lambda q, k: rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], (dq, dk))
     assert torch.equal(outs[0], ref_outs[0]) and torch.equal(outs[1], ref_outs[1])
 
