@@ -32,8 +32,8 @@ def new_run_id() -> str:
 
 
 def commit() -> str:
-    """$HE_COMMIT when set (the GPU machine's copy may lack .git, or carry a stale one: rows of 2026-11-30
-    named a commit older than the one that ran), else HEAD of the checkout (with `-dirty` when files differ)."""
+    """$HE_COMMIT when set (for a copy of the tree without .git, or with a stale one), else HEAD of the
+    checkout (with `-dirty` when tracked files differ)."""
     if os.environ.get("HE_COMMIT"):
         return os.environ["HE_COMMIT"]
     try:

@@ -44,7 +44,7 @@ BENCHES = {
     "ppo_e2e_deepspeed": e2e.ppo_e2e_deepspeed,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
-# Each suite fits one device call of < 10 minutes on nvidia-h200-x2 (one model per call for the peers).
+# Each suite is sized to finish in under 10 minutes on 2 x H200 with one model (pass --model per run for the peers).
 # DeepSpeed goes last: zero.Init patches module construction globally.
 SUITES: dict[str, list[str]] = {
     "smoke": [*FLOORS, "hf_generate", "fsdp2", "segment_copy"],
@@ -65,7 +65,7 @@ SUITES: dict[str, list[str]] = {
     "prefill_attention": ["gemm", "prefill_attention"],
     "ppo_loss": ["gemm", "ppo_loss"],
     "train_step": ["gemm", "train_step"],
-    # hybridengine's train step with both peers' in one run (one model per device call at 7B)
+    # hybridengine's train step with both peers' in one run (one model per run at 7B)
     "train_peers": ["gemm", "train_step", "fsdp2_train", "deepspeed_train"],  # DeepSpeed last (zero.Init)
     "ppo_e2e": ["ppo_e2e", "ppo_e2e_deepspeed"],  # DeepSpeed last (zero.Init)
 }
