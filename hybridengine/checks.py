@@ -36,7 +36,7 @@ def tensor(op: str, name: str, x, *, dim: int | None = None, shape=None, dtypes=
         raise ValueError(f"{op}: {name} must be {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
     if device is not None and x.device != torch.device(device):
         raise ValueError(f"{op}: {name} is on {x.device}, expected {device}")
-    if contiguous_last and x.numel() and x.stride(-1) != 1:
+    if contiguous_last and x.dim() and x.numel() and x.stride(-1) != 1:
         raise ValueError(f"{op}: {name} must have unit stride in its last dim, got strides {x.stride()}")
     return x
 
