@@ -30,7 +30,7 @@ def _want_cuda() -> bool:
 
 
 def _extension():
-    cpu_sources = ["csrc/ops.cpp", "csrc/segment_copy_cpu.cpp", "csrc/copy_2d_cpu.cpp"]
+    cpu_sources = ["csrc/ops.cpp", "csrc/segment_copy_cpu.cpp"]
     cxx = ["-O3", "-std=c++17"]
     if not _want_cuda():
         print("hybridengine: building CPU ops only")

@@ -134,31 +134,10 @@ def switch(ctx: Ctx) -> None:
                 # training step runs between the two switches: back to back (above) the driver's page calls
                 # take ~2-4x longer right after a release (per-call log of run 20261130T164536Z-71bb).
                 after_gap, gap_driver = _to_gen_after_idle(ctx, buf)
-                # The same with one cuMemSetAccess per switch batch (ShardedBuffer(batch_page_calls=True):
-                # ~5 cuMemCreate / cuMemSetAccess per switch instead of ~30), as a same-run variant.
                 # Pages mapped ahead: prepare_generation() at the start of the gap, the switch only gathers.
                 ahead, _ = _to_gen_after_idle(ctx, buf, ahead=True)
-                batched, batched_driver, batched_error = [], [], None
-                if buf.use_vmm:
-                    buf.batch_page_calls = True
-                    try:  # a failed switch leaves the buffer in training (the contract): the other rows still run
-                        batched, batched_driver = _to_gen_after_idle(ctx, buf)
-                    except RuntimeError as e:
-                        batched_error = f"failed: {type(e).__name__}: {str(e)[:300]}"
-                    buf.batch_page_calls = False
             to_gen, to_train, released = ctx.slowest(to_gen), ctx.slowest(to_train), ctx.slowest(released)
             after_gap = ctx.slowest(after_gap)
-            if batched_error:
-                ctx.rec.not_run("switch_detail", "hybridengine", model, batched_error, **case,
-                                what="train->gen, batched page calls")
-            if batched:
-                variant = {**case, "direction": "train_to_gen", "after_idle_s": IDLE_GAP_S, "batch_page_calls": True}
-                ctx.rec.add("switch_detail", "hybridengine", model, {**variant, "what": "train->gen, batched page calls"},
-                            "seconds", ctx.slowest(batched))
-                if batched_driver:
-                    ctx.rec.add("switch_detail", "hybridengine", model,
-                                {**variant, "what": "driver page calls, batched (rank 0 host)"}, "seconds",
-                                batched_driver)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen",
                                                            "after_idle_s": IDLE_GAP_S}, "seconds", after_gap)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen", "after_idle_s": IDLE_GAP_S,
@@ -258,12 +237,12 @@ def unit_gather(ctx: Ctx) -> None:
         specs, cfg = _specs(model)
         layer = [s for s in specs if s.unit == "layers.0"]
         unit_bytes = None
-        for tp, kwargs in _gather_variants(ctx.world):
-            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp, **kwargs)
+        for tp in _gather_tgs(ctx.world):
+            buf = ShardedBuffer(layer, dtype=dtype, device=ctx.device, tp_size=tp)
             _fill(buf)
             unit = buf.layout.units[0]
             unit_bytes = unit.numel * buf.layout.element_size
-            name, variant = _gather_case(tp, kwargs, ctx.world)
+            name, variant = _gather_case(tp, ctx.world)
             times = ctx.measure(lambda: buf.gather_unit(0), warmup=3, repeats=20, desc=f"gather {name}")
             case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1) | variant
             ctx.rec.add("unit_gather", "hybridengine", model, case, "seconds", times)
@@ -287,32 +266,18 @@ UNPACK_BLOCKS_SWEEP = (0, 66, 132)
 (run 20261130T192828Z-5e6d); 100 was best of 66-264 (run 20261130T192932Z-fb9f)."""
 
 
-def _gather_variants(world: int) -> list[tuple[int, dict]]:
-    """(tg, ShardedBuffer kwargs) of the unit gathers run. tg > 1: the default (all-gather + unpack kernel),
-    the unpack on the copy engines, and the send/recv gather (p2p_gather); where N == tg > 1 also the
-    column parameters gathered in place (direct_gather)."""
-    out = []
-    for tp in (d for d in (1, 2) if world % d == 0):
-        out.append((tp, {}))
-        if tp > 1:
-            out += [(tp, {"p2p_gather": True}), (tp, {"reshard_copy": "copy_engine"})]
-        if tp == world > 1:
-            out.append((tp, {"direct_gather": True}))
-    return out
+def _gather_tgs(world: int) -> list[int]:
+    """The tg of the unit gathers run: 1 (the all-gather alone) and, where the world allows it, 2
+    (all-gather + unpack kernel)."""
+    return [tp for tp in (1, 2) if world % tp == 0]
 
 
-def _gather_case(tp: int, kwargs: dict, world: int) -> tuple[str, dict]:
-    """Log name and case entries of a unit-gather variant (rows at N == tg name the gather, as before)."""
-    name, case = f"tg={tp}", {}
-    if kwargs.get("direct_gather"):
-        return f"{name} direct", {"gather": "direct"}
-    if kwargs.get("p2p_gather"):
-        return f"{name} send/recv", {"gather": "p2p"}
+def _gather_case(tp: int, world: int) -> tuple[str, dict]:
+    """Log name and case entries of a unit-gather variant (rows at N == tg name the gather "staged", as
+    the stored rows of earlier runs do)."""
     if tp == world > 1:
-        name, case = f"{name} staged", {"gather": "staged"}
-    if kwargs.get("reshard_copy", "kernel") != "kernel":
-        name, case = f"{name}, unpack on the copy engines", case | {"reshard_copy": kwargs["reshard_copy"]}
-    return name, case
+        return f"tg={tp} staged", {"gather": "staged"}
+    return f"tg={tp}", {}
 
 
 def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4, lookahead: int | None = None) -> None:
@@ -324,9 +289,9 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4, lookahead: i
 
     names = {f"layers.{i}" for i in range(layers)}
     sub = [s for s in specs if s.unit in names]
-    for tp, kwargs in _gather_variants(ctx.world):
-        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp, **kwargs)
-        name, variant = _gather_case(tp, kwargs, ctx.world)
+    for tp in _gather_tgs(ctx.world):
+        buf = ShardedBuffer(sub, dtype=dtype, device=ctx.device, tp_size=tp)
+        name, variant = _gather_case(tp, ctx.world)
         _fill(buf)
         n = len(buf.layout.units)
         unit_bytes = buf.layout.units[0].numel * buf.layout.element_size
@@ -345,7 +310,7 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4, lookahead: i
 
         # The staged unpack beside the next all-gather, its grid unbounded and bounded (prefetch_unpack_blocks).
         default = buf.prefetch_unpack_blocks
-        sweep = tp > 1 and not kwargs and bool(os.environ.get("HE_UNPACK_SWEEP"))
+        sweep = tp > 1 and bool(os.environ.get("HE_UNPACK_SWEEP"))
         for blocks in [default] + (list(UNPACK_BLOCKS_SWEEP) if sweep else []):
             buf.prefetch_unpack_blocks = blocks
             label = name + ("" if blocks == default else f", unpack <= {blocks} blocks" if blocks else ", unpack unbounded")

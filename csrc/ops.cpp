@@ -14,7 +14,4 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(hybridengine, m) {
   // dst[d:d+n] = src[s:s+n] for each row (s, d, n) of table (int64 [S, 3], in elements).
   m.def("segment_copy(Tensor src, Tensor(a!) dst, Tensor table, int max_blocks=0) -> ()");
-  // For each run (s, d, w, h, sp, dp) of runs (int64 [R, 6] on the CPU, in elements), h rows of w:
-  // dst[d + i*dp : +w] = src[s + i*sp : +w]. CUDA: cudaMemcpy2DAsync (the copy engines).
-  m.def("copy_2d(Tensor src, Tensor(a!) dst, Tensor runs) -> ()");
 }

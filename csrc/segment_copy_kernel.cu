@@ -2,11 +2,10 @@
 //
 // One warp per table row, kWarps rows per block. Rows are pre-split to at most 32 KiB
 // (prepare_table), so a long parameter still spreads over many warps, and short rows (a
-// row-parallel weight's TP slice is 3.5 KiB for a 7B model) do not leave most of a block idle: a
-// block per row reached only 0.81x of torch's copy_ on 3.5 KiB rows (H200, 2026-11-30). When
-// source and destination share their address modulo 16, the body moves in 16-byte vectors, kUnroll
-// loads in flight per lane before the stores; otherwise the widest word both addresses and the
-// length allow.
+// row-parallel weight's TP slice is a few KiB) do not leave most of a block idle, as a block per
+// row would. When source and destination share their address modulo 16, the body moves in 16-byte
+// vectors, kUnroll loads in flight per lane before the stores; otherwise the widest word both
+// addresses and the length allow.
 #include "segment_copy.h"
 
 namespace hybridengine {

@@ -134,46 +134,6 @@ int vmm_unmap(uint64_t address, size_t bytes, uint64_t handle) {
   return timed(kRelease, [&] { return a.release(static_cast<CUmemGenericAllocationHandle>(handle)); });
 }
 
-int vmm_map_pieces(const uint64_t* addresses, const size_t* bytes, int num_pieces, const uint64_t* access_begin,
-                   const size_t* access_bytes, int num_access, int device, uint64_t* handles) {
-  const DriverApi& a = api();
-  if (a.status != CUDA_SUCCESS) return a.status;
-  CUmemAllocationProp prop = device_prop(device);
-  CUresult r = CUDA_SUCCESS;
-  int mapped = 0;
-  for (; mapped < num_pieces; ++mapped) {
-    // cuMemMap's offset into an allocation must be 0 (CUDA_ERROR_NOT_SUPPORTED otherwise, seen on an
-    // H200 with driver 580), so each piece is an allocation of its own.
-    CUmemGenericAllocationHandle h = 0;
-    r = timed(kCreate, [&] { return a.create(&h, bytes[mapped], &prop, 0); });
-    if (r != CUDA_SUCCESS) break;
-    const CUdeviceptr ptr = static_cast<CUdeviceptr>(addresses[mapped]);
-    r = timed(kMap, [&] { return a.map(ptr, bytes[mapped], 0, h, 0); });
-    if (r != CUDA_SUCCESS) {
-      a.release(h);
-      break;
-    }
-    handles[mapped] = static_cast<uint64_t>(h);
-  }
-  if (r == CUDA_SUCCESS) {
-    CUmemAccessDesc access = {};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = device;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    for (int j = 0; j < num_access && r == CUDA_SUCCESS; ++j) {
-      r = timed(kAccess, [&] { return a.set_access(static_cast<CUdeviceptr>(access_begin[j]), access_bytes[j], &access, 1); });
-    }
-  }
-  if (r != CUDA_SUCCESS) {
-    for (int i = 0; i < mapped; ++i) {
-      a.unmap(static_cast<CUdeviceptr>(addresses[i]), bytes[i]);
-      a.release(static_cast<CUmemGenericAllocationHandle>(handles[i]));
-      handles[i] = 0;
-    }
-  }
-  return r;
-}
-
 void vmm_timings(double seconds[5], int64_t calls[5], bool reset) {
   for (int i = 0; i < kSteps; ++i) {
     seconds[i] = static_cast<double>(reset ? g_ns[i].exchange(0) : g_ns[i].load()) * 1e-9;

@@ -14,12 +14,6 @@ int vmm_free_range(uint64_t address, size_t bytes);                    // cuMemA
 // cuMemCreate + cuMemMap + cuMemSetAccess(read/write for `device`); on failure nothing stays mapped.
 int vmm_map(uint64_t address, size_t bytes, int device, uint64_t* handle);
 int vmm_unmap(uint64_t address, size_t bytes, uint64_t handle);        // cuMemUnmap + cuMemRelease
-// Map several pieces: a cuMemCreate + cuMemMap each (handles[i] receives piece i's handle, released by
-// vmm_unmap), then one cuMemSetAccess per [access_begin[j], access_begin[j] + access_bytes[j]), a
-// fully-mapped run that may span several allocations: the access calls are what batching saves. On
-// failure nothing this call mapped stays mapped or allocated.
-int vmm_map_pieces(const uint64_t* addresses, const size_t* bytes, int num_pieces, const uint64_t* access_begin,
-                   const size_t* access_bytes, int num_access, int device, uint64_t* handles);
 const char* vmm_error_string(int code);
 // Host seconds and call counts, process-wide, of cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap,
 // cuMemRelease (in that order) since the last reset.

@@ -1,7 +1,7 @@
 // torch binding of the VMM range (CUDA builds only): torch.classes.hybridengine.VmmRange.
 // One reserved virtual range per buffer; each map() backs [offset, offset + bytes) with its own
-// physical allocation, so the caller chooses the allocation size (one per (unit, shard): creating
-// 64-512 MiB allocations costs 1.2-1.5 ms/GiB on an H200 against 37 ms/GiB in 2 MiB pages).
+// physical allocation, so the caller chooses the allocation size: one per (unit, shard), because the
+// driver's page calls cost far more per byte in small allocations than in large ones.
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <cuda_runtime.h>
@@ -20,9 +20,9 @@
 
 namespace hybridengine {
 
-// Methods never throw: an exception thrown out of a custom-class method crashed the process
-// (segfault, torch 2.11, H200 machine, 2026-11-30), so each returns an error message ("" on
-// success) that hybridengine/vmm.py turns into ValueError ("invalid: ...") or RuntimeError.
+// Methods never throw: an exception thrown out of a custom-class method can crash the process
+// (a segfault with torch 2.11), so each returns an error message ("" on success) that
+// hybridengine/sharding/vmm.py turns into ValueError ("invalid: ...") or RuntimeError.
 class VmmRange : public torch::CustomClassHolder {
  public:
   VmmRange(int64_t bytes, int64_t device) : device_(device) {
@@ -82,77 +82,6 @@ class VmmRange : public torch::CustomClassHolder {
     return err;
   }
 
-  // Back the pieces [offsets[i], offsets[i] + sizes[i]) with memory (a cuMemCreate + cuMemMap each:
-  // the driver maps an allocation only from its start) and set their access in one cuMemSetAccess
-  // per maximal fully-mapped run holding a piece: pieces separated only by ranges already mapped (a
-  // switch batch's own shards) share one call. Driver calls have a fixed cost each (profile, 7B
-  // switch: ~50 us per cuMemSetAccess, ~25 us per cuMemCreate, ~2 us per cuMemMap), and
-  // cuMemSetAccess is the dearest, so a switch batch of several units pays it once instead of per
-  // unit. All or nothing. Each piece is a mapping like map()'s: unmap(offset) releases it.
-  std::string map_pieces(std::vector<int64_t> offsets, std::vector<int64_t> sizes) {
-    join_mapper();
-    std::string pending = wait_released();
-    if (!pending.empty()) return pending;
-    if (address_ == 0) return "invalid: the range was never reserved (" + error_ + ")";
-    if (offsets.empty() || offsets.size() != sizes.size()) {
-      return "invalid: offsets and sizes must be non-empty lists of the same length, got " +
-             std::to_string(offsets.size()) + " and " + std::to_string(sizes.size());
-    }
-    std::vector<std::pair<int64_t, int64_t>> pieces;
-    std::string bad = sorted_free_pieces(offsets, sizes, &pieces);
-    if (!bad.empty()) return bad;
-    // Access runs: the pieces and the mappings between them, merged where contiguous.
-    const int64_t lo = pieces.front().first, hi = pieces.back().first + pieces.back().second;
-    std::vector<std::pair<int64_t, int64_t>> spans(pieces);  // (offset, bytes)
-    std::vector<bool> is_piece(pieces.size(), true);
-    for (auto it = mappings_.lower_bound(lo); it != mappings_.end() && it->first < hi; ++it) {
-      spans.emplace_back(it->first, static_cast<int64_t>(it->second.bytes));
-      is_piece.push_back(false);
-    }
-    std::vector<size_t> order(spans.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return spans[x].first < spans[y].first; });
-    std::vector<uint64_t> access_begin;
-    std::vector<size_t> access_bytes;
-    int64_t run_start = -1, run_end = -1;
-    bool run_has_piece = false;
-    auto close_run = [&] {
-      if (run_start >= 0 && run_has_piece) {
-        access_begin.push_back(address_ + static_cast<uint64_t>(run_start));
-        access_bytes.push_back(static_cast<size_t>(run_end - run_start));
-      }
-    };
-    for (size_t k : order) {
-      if (spans[k].first != run_end) {
-        close_run();
-        run_start = spans[k].first;
-        run_has_piece = false;
-      }
-      run_end = spans[k].first + spans[k].second;
-      run_has_piece = run_has_piece || is_piece[k];
-    }
-    close_run();
-    std::vector<uint64_t> addresses;
-    std::vector<size_t> bytes;
-    for (const auto& [offset, n] : pieces) {
-      addresses.push_back(address_ + static_cast<uint64_t>(offset));
-      bytes.push_back(static_cast<size_t>(n));
-    }
-    std::vector<uint64_t> handles(pieces.size(), 0);
-    std::string err = describe(
-        vmm_map_pieces(addresses.data(), bytes.data(), static_cast<int>(pieces.size()), access_begin.data(),
-                       access_bytes.data(), static_cast<int>(access_begin.size()), static_cast<int>(device_),
-                       handles.data()),
-        std::to_string(pieces.size()) + " cuMemCreate + cuMemMap and " + std::to_string(access_begin.size()) +
-            " cuMemSetAccess for pieces at offsets " + std::to_string(lo) + ".." + std::to_string(hi));
-    if (!err.empty()) return err;
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      mappings_[pieces[i].first] = Mapping{static_cast<size_t>(pieces[i].second), handles[i]};
-    }
-    return "";
-  }
-
   // Release the allocation mapped at exactly `offset` (by map(offset, ...)).
   std::string unmap(int64_t offset) {
     join_mapper();
@@ -172,8 +101,8 @@ class VmmRange : public torch::CustomClassHolder {
   }
 
   // Release the allocations mapped at `offsets` once the work queued so far on the current CUDA stream
-  // is done, on a host thread: the call returns after recording one event (microseconds) while
-  // cuMemUnmap + cuMemRelease (~1.6 ms/GiB) run beside whatever the caller does next. The offsets
+  // is done, on a host thread: the call returns after recording one event while cuMemUnmap +
+  // cuMemRelease run beside whatever the caller does next. The offsets
   // leave the mapped set at once; mapped_bytes() counts them until released. map(), unmap() and
   // wait_released() join the thread first. Checks every offset before changing anything.
   std::string unmap_after_current_stream(std::vector<int64_t> offsets) {
@@ -220,8 +149,8 @@ class VmmRange : public torch::CustomClassHolder {
   }
 
   // Map the pieces [offsets[i], offsets[i] + sizes[i]) on a host thread, each with its own allocation as
-  // map() does, and return at once: the driver's page calls (~1.3 ms/GiB) run beside whatever the
-  // caller does next (an optimizer step), so a later switch finds its pages mapped. The pieces join
+  // map() does, and return at once: the driver's page calls run beside whatever the caller does
+  // next (an optimizer step), so a later switch finds its pages mapped. The pieces join
   // the mapped set when all are mapped; on a failure the thread unmaps what it mapped (all or nothing)
   // and wait_mapped() returns the error. Every other call that changes mappings joins the thread
   // first. Checks every piece before starting.
@@ -415,7 +344,6 @@ TORCH_LIBRARY_FRAGMENT(hybridengine, m) {
       .def("device", &VmmRange::device)
       .def("mapped_bytes", &VmmRange::mapped_bytes)
       .def("map", &VmmRange::map)
-      .def("map_pieces", &VmmRange::map_pieces)
       .def("unmap", &VmmRange::unmap)
       .def("is_mapped", &VmmRange::is_mapped)
       .def("unmap_after_current_stream", &VmmRange::unmap_after_current_stream)

@@ -175,91 +175,6 @@ def test_bf16_two_ranks():
     spawn(_check_world, 2, "tied-no-bias", torch.bfloat16)
 
 
-def test_direct_gather_when_tg_is_n():
-    """direct_gather=True at N == tg: column-parallel parameters gathered in place, the rest staged."""
-    spawn(_check_world, 2, "tied-no-bias", torch.float32, {"direct_gather": True})
-
-
-@pytest.mark.parametrize("world_size,model", [(3, "odd-hidden"), (4, "gqa-untied")])
-def test_copy_engine_reshard(world_size, model):
-    """reshard_copy="copy_engine": the pack and unpack as 2-D runs (ops.copy_2d), the same bits."""
-    spawn(_check_world, world_size, model, torch.float32, {"reshard_copy": "copy_engine"})
-
-
-@pytest.mark.parametrize("world_size,model,chunks", [(2, "tied-no-bias", 3), (3, "odd-hidden", 1),
-                                                     (4, "gqa-untied", 2)])
-def test_p2p_gather(world_size, model, chunks):
-    """p2p_gather: the other ranks' shards by send/recv in chunks, the own shard unpacked from G; the same bits
-    (N = 4 covers tg = 2 with two shards per slice)."""
-    spawn(_check_world, world_size, model, torch.float32, {"p2p_gather": True, "p2p_chunks": chunks})
-
-
-def test_clip_table_and_p2p_plan():
-    """The p2p plan's tables partition the unpack table: every natural element exactly once, from the shard
-    (and piece) that holds it."""
-    from hybridengine.sharding.layout import ShardedLayout
-    from hybridengine.sharding.sharded import clip_table
-
-    table = torch.tensor([[0, 10, 5], [5, 0, 7], [20, 30, 3]])
-    assert clip_table(table, 3, 9, -3).tolist() == [[0, 13, 2], [2, 0, 4]]
-    assert clip_table(table, 12, 20, 0).tolist() == []
-    specs = model_specs(**MODELS["odd-hidden"])
-    for world, tp in ((2, 2), (4, 2), (3, 3)):
-        layout = ShardedLayout(specs, world_size=world, tp_size=tp, element_size=4)
-        for unit in layout.units:
-            table, size = unit.unpack_table(), unit.shard_numel
-            bounds = [(a, min(a + 7, size)) for a in range(0, size, 7)]
-            pieces = [clip_table(table, r * size + a, r * size + b, 0) for r in range(world) for a, b in bounds]
-            covered = torch.zeros(unit.natural_numel, dtype=torch.int64)
-            for rows in pieces:
-                for s, d, n in rows.tolist():
-                    covered[d:d + n] += 1
-            expected = torch.zeros(unit.natural_numel, dtype=torch.int64)
-            for s, d, n in table.tolist():
-                expected[d:d + n] += 1
-            assert torch.equal(covered, expected), (world, tp, unit.name)
-
-
-def test_direct_gather_plan_and_argument():
-    """The plan of direct_gather at N == tg: column-parallel (and undivided-vocab) parameters gather in
-    place, the rest is staged; the staging table maps every staged natural element exactly once.
-    direct_gather=True applies only where a shard is a whole TP slice."""
-    from hybridengine.sharding.layout import ShardedLayout
-    from hybridengine.ops import segment_copy_ref
-    from hybridengine.sharding.sharded import ShardedBuffer
-
-    specs = model_specs(**MODELS["odd-hidden"])
-    assert not ShardedBuffer(specs, dtype=torch.float32, direct_gather=True).direct_gather  # N = tg = 1
-    buf = ShardedBuffer(specs, dtype=torch.float32)
-    for tp in (2, 3):
-        layout = ShardedLayout(specs, world_size=tp, tp_size=tp, element_size=4)
-        buf.layout, buf._direct = layout, [None] * len(layout.units)
-        for u, unit in enumerate(layout.units):
-            plan = buf._direct_plan(u)
-            direct = {b for b, *_ in plan.direct}
-            for s in unit.params:
-                in_place = s.role == "column" or (s.role == "vocab" and s.shape[0] % tp == 0)
-                assert (unit.natural_offsets[s.name] in direct) == in_place, (tp, s.name)
-            # Staging filled with each rank's slots (rank t's copy of slot k at stage + t * n), then
-            # unpacked: every staged parameter comes back whole, the in-place ones stay untouched.
-            full = torch.randn(unit.numel, dtype=torch.float64)
-            stage = torch.empty(plan.stage_numel, dtype=torch.float64)
-            for o, n, st in plan.staged:
-                for t in range(tp):
-                    stage[st + t * n:st + (t + 1) * n] = full[t * unit.slice_numel + o:t * unit.slice_numel + o + n]
-            natural = torch.full((unit.natural_numel,), float("nan"), dtype=torch.float64)
-            if plan.table is not None:
-                segment_copy_ref(stage, natural, plan.table)
-            expected = torch.empty(unit.natural_numel, dtype=torch.float64)
-            segment_copy_ref(full, expected, unit.unpack_table())
-            for s in unit.params:
-                got = layout.natural_view(natural, s.name)
-                if unit.natural_offsets[s.name] in direct:
-                    assert got.isnan().all(), (tp, s.name)
-                else:
-                    assert torch.equal(got, layout.natural_view(expected, s.name)), (tp, s.name)
-
-
 def test_mismatched_layouts_raise_on_every_rank():
     spawn(_mismatch, 2)
 
@@ -353,15 +268,6 @@ class _FakeVmm:
             raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
         assert off not in self.maps, f"offset {off} mapped twice"
         self.maps[off] = n
-
-    def map_pieces(self, pieces):
-        """All or nothing, as VmmRange.map_pieces; counts its calls."""
-        self.piece_calls = getattr(self, "piece_calls", 0) + 1
-        if any(off in self.fail_at for off, _ in pieces):
-            raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
-        for off, n in pieces:
-            assert off not in self.maps, f"offset {off} mapped twice"
-        self.maps.update(pieces)
 
     def unmap(self, off):
         del self.maps[off]
@@ -488,74 +394,10 @@ def test_map_unit_maps_only_what_is_missing():
     gen.release_others_deferred()  # nothing to release: the range is not called
 
 
-def test_map_units_maps_a_batch_in_one_call():
-    """map_units: the missing pages of several units in one map_pieces call; kept pages are skipped;
-    a failure maps nothing (all or nothing); units with nothing missing are left out of the result."""
-    from hybridengine.sharding.layout import ShardedLayout
-    from hybridengine.sharding.sharded import GenerationBuffer
-
-    layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=4, tp_size=1, element_size=4)
-    gen = GenerationBuffer(layout, 1, torch.float32, torch.device("cpu"), use_vmm=False)
-    gen.vmm = vmm = _FakeVmm()
-    for off, n in layout.shard_in_gen(1):
-        vmm.map(off * 4, n * 4)
-    others = {u: [off for off, _ in gen._other_shard_bytes(u)] for u in range(len(layout.units))}
-    vmm.map(others[1][0], 4)  # one page of unit 1 kept from an earlier switch
-    vmm.fail_at = {others[2][1]}
-    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
-        gen.map_units([0, 1, 2])
-    assert not any(vmm.is_mapped(o) for u in (0, 2) for o in others[u]) and vmm.is_mapped(others[1][0])
-    vmm.fail_at = set()
-    assert gen.map_units([0, 1, 2]) == {0: others[0], 1: others[1][1:], 2: others[2]}
-    assert vmm.piece_calls == 2
-    assert gen.map_units([0, 1]) == {} and vmm.piece_calls == 2  # nothing missing: no call
-    assert gen.map_units(list(range(len(layout.units)))) == {u: others[u] for u in range(3, len(layout.units))}
-
-
-def test_batched_page_calls_switch_and_failure(monkeypatch):
-    """ShardedBuffer(batch_page_calls=True): the switch maps through map_units (per switch batch), a
-    failure names the unit(s) and unmaps only what this call mapped."""
-    from hybridengine.sharding.sharded import GenerationBuffer, ShardedBuffer
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        specs = model_specs(**MODELS["odd-hidden"])
-        buf = ShardedBuffer(specs, dtype=torch.float32, batch_page_calls=True)
-        params = full_params(specs, torch.float32)
-        buf.load_(params)
-        calls, unmapped = [], []
-
-        def fake_map_units(self, units):
-            calls.append(list(units))
-            if 2 in units:
-                raise RuntimeError("VmmRange on cuda:0: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
-            return {u: [1000 * u] for u in units if u != 0}
-
-        monkeypatch.setattr(GenerationBuffer, "map_unit", lambda self, u: pytest.fail("map_unit called"))
-        monkeypatch.setattr(GenerationBuffer, "map_units", fake_map_units)
-        monkeypatch.setattr(GenerationBuffer, "unmap_unit", lambda self, u, offsets=None: unmapped.append((u, offsets)))
-        with pytest.raises(RuntimeError, match=r"rank 0: switch_to_generation could not map unit 'layers.1'.*OUT_OF_MEMORY"):
-            buf.switch_to_generation()
-        assert buf.state == "training" and unmapped == [(1, [1000])] and calls[-1] == [2]
-        monkeypatch.undo()
-        buf.switch_to_generation()
-        assert all(torch.equal(v, params[n]) for n, v in buf.generation_views().items())
-    finally:
-        dist.destroy_process_group()
-
-
 def test_switch_batch_bytes_argument():
     from hybridengine.sharding.sharded import SWITCH_BATCH_BYTES, ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
-    for bad in (-1, 2.0):
-        with pytest.raises(ValueError, match="prefetch_unpack_blocks must be None or an int >= 0"):
-            ShardedBuffer(specs, dtype=torch.float32, prefetch_unpack_blocks=bad)
-    with pytest.raises(ValueError, match="reshard_copy must be one of"):
-        ShardedBuffer(specs, dtype=torch.float32, reshard_copy="dma")
-    for bad in (0, 2.0):
-        with pytest.raises(ValueError, match="p2p_chunks must be an int >= 1"):
-            ShardedBuffer(specs, dtype=torch.float32, p2p_chunks=bad)
     for bad in (-1, 1.5, "2GiB"):
         with pytest.raises(ValueError, match="switch_batch_bytes must be None or an int >= 0"):
             ShardedBuffer(specs, dtype=torch.float32, switch_batch_bytes=bad)

@@ -88,41 +88,6 @@ def test_errors():
         r.tensor(torch.uint8, 0, 8 * g)
 
 
-def test_map_pieces_one_access_call_per_run():
-    """map_pieces: pieces at offsets 0, 2g, 3g (g mapped on its own between them) get a cuMemCreate and
-    a cuMemMap each and one cuMemSetAccess (over [0, 4g): the run spans the mapping at g, four
-    allocations); the memory is usable, each piece unmaps and releases on its own, and a failing call
-    changes nothing."""
-    r = vmm_range(6 << 21)
-    g = r.granularity
-    r.map(g, g)
-    r.timings(reset=True)
-    r.map_pieces([(3 * g, g), (0, g), (2 * g, g)])
-    t = r.timings(reset=True)
-    assert (t["create"][1], t["map"][1], t["set_access"][1], t["release"][1]) == (3, 3, 1, 0), t
-    assert r.mapped_bytes() == 4 * g and all(r.is_mapped(o) for o in (0, g, 2 * g, 3 * g))
-    x = r.tensor(torch.float32, 0, 4 * g)
-    x.copy_(torch.arange(x.numel(), dtype=torch.float32, device="cuda"))
-    torch.cuda.synchronize()
-    assert torch.equal(x.cpu(), torch.arange(x.numel(), dtype=torch.float32))
-    r.unmap(2 * g)
-    t = r.timings(reset=True)
-    assert (t["unmap"][1], t["release"][1]) == (1, 1), t
-    r.unmap_after_current_stream([0, 3 * g])
-    r.wait_released()
-    assert r.mapped_bytes() == g and r.is_mapped(g)
-    with pytest.raises(ValueError, match="overlaps a range that is already mapped"):
-        r.map_pieces([(0, g), (g, g)])
-    with pytest.raises(ValueError, match="overlap"):
-        r.map_pieces([(0, 2 * g), (g, 2 * g)])
-    with pytest.raises(ValueError, match="non-empty lists of the same length"):
-        r.map_pieces([])
-    assert r.mapped_bytes() == g and not r.is_mapped(0)  # failed calls changed nothing
-    r.map_pieces([(4 * g, g)])  # a run without any other mapping: one cuMemSetAccess of its own
-    r.map(0, g)
-    assert r.mapped_bytes() == 3 * g
-
-
 def test_map_in_background():
     """map_in_background returns at once; after wait_mapped the pieces are mapped (an allocation each)
     and usable; bad pieces raise before any thread starts; calls that change mappings join the thread;

@@ -31,8 +31,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from hybridengine.sharding.layout import ParamSpec, ShardedLayout, merge_segments
-from hybridengine.ops import copy_2d, prepare_runs, prepare_table, segment_copy
+from hybridengine.sharding.layout import ParamSpec, ShardedLayout
+from hybridengine.ops import prepare_table, segment_copy
 from hybridengine.sharding.vmm import VmmRange
 
 SWITCH_BATCH_BYTES = (256 << 20, 2 << 30)
@@ -41,9 +41,6 @@ switch receives, so that three batches map under an all-gather. In the switch su
 (2 x H200, run 20261130T142229Z-1d2c, rows switch_batch_sweep) 7B took
 29.0 ms at 2 GiB against 30.2-30.9 ms at 0.25-1 GiB, 8 GiB or one all-gather per unit, and 1.5B
 7.3 ms at 256 MiB against 8.3-9.4 ms at 1-8 GiB (one batch after the first: no mapping overlapped)."""
-
-RESHARD_COPIES = ("kernel", "copy_engine")
-"""How ShardedBuffer packs and unpacks units at tg > 1 (its `reshard_copy`)."""
 
 # torch 2.13 renamed the tensor collectives (same signatures); 2.11 only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -113,17 +110,6 @@ class GenerationBuffer:
                 self.vmm.unmap(off)
             raise
         return done
-
-    def map_units(self, units: list[int]) -> dict[int, list[int]]:
-        """`map_unit` for several units with one cuMemSetAccess per contiguous run of them
-        (`VmmRange.map_pieces`); all or nothing. Returns {unit: byte offsets this call mapped}."""
-        if self.vmm is None:
-            return {}
-        todo = {u: [(off, n) for off, n in self._other_shard_bytes(u) if not self.vmm.is_mapped(off)] for u in units}
-        pieces = [piece for u in units for piece in todo[u]]
-        if pieces:
-            self.vmm.map_pieces(pieces)
-        return {u: [off for off, _ in todo[u]] for u in units if todo[u]}
 
     def unmap_unit(self, u: int, offsets: list[int] | None = None) -> None:
         """Unmap the other shards of unit u (only those at byte `offsets`, when given)."""
@@ -201,42 +187,6 @@ class _Works:
 
 
 @dataclass(slots=True)
-class _DirectPlan:
-    """How `direct_gather` gathers one unit: `direct` rows (natural offset, numel, offset in the shard,
-    slot numel) gather into the natural buffer as they are; `staged` rows (offset in the shard, slot
-    numel, offset in the staging buffer) gather into staging, which `table` unpacks."""
-
-    direct: list[tuple[int, int, int, int]]
-    staged: list[tuple[int, int, int]]
-    stage_numel: int
-    table: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class _P2PPlan:
-    """How `p2p_gather` gathers one unit: `own` unpacks this rank's shard (read in G) into the natural
-    buffer; the other ranks' shards arrive in `chunks` pieces into a receive buffer (peer j at
-    j * shard_numel), and `tables[k]` unpacks every peer's piece k. `bounds[k]` = (start, end) of piece
-    k within a shard."""
-
-    own: torch.Tensor | None
-    tables: list[torch.Tensor | None]
-    bounds: list[tuple[int, int]]
-    peers: list[int]
-
-
-def clip_table(table: torch.Tensor, lo: int, hi: int, shift: int) -> torch.Tensor:
-    """The rows of a segment table restricted to sources in [lo, hi), sources moved by `shift`."""
-    if table.numel() == 0:
-        return table.reshape(0, 3)
-    s, d, n = table.unbind(1)
-    start, end = torch.clamp(s, min=lo), torch.clamp(s + n, max=hi)
-    keep = end > start
-    rows = torch.stack([start + shift, d + (start - s), end - start], 1)[keep]
-    return rows.contiguous()
-
-
-@dataclass(slots=True)
 class _Prefetch:
     natural: torch.Tensor
     event: torch.cuda.Event | None
@@ -247,49 +197,10 @@ class ShardedBuffer:
 
     def __init__(self, specs: list[ParamSpec], *, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tp_size: int = 1, group: dist.ProcessGroup | None = None, use_vmm: bool | None = None,
-                 timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None,
-                 batch_page_calls: bool = False, direct_gather: bool = False,
-                 prefetch_unpack_blocks: int | None = None, reshard_copy: str = "kernel",
-                 p2p_gather: bool = False, p2p_chunks: int = 4):
+                 timeout: datetime.timedelta | None = None, switch_batch_bytes: int | None = None):
         """`timeout` bounds the collectives of the subgroups made here (default: the process group's).
         `switch_batch_bytes`: how many received bytes `switch_to_generation` gathers per NCCL group call
-        (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES).
-        `batch_page_calls` (VMM): set the access of each switch batch's pages with one cuMemSetAccess per
-        contiguous run of units (`GenerationBuffer.map_units`) instead of one per (unit, shard): ~5
-        cuMemSetAccess per switch instead of ~30 (still a cuMemCreate + cuMemMap per (unit, shard)).
-        `direct_gather` (used where N == tg > 1, each rank's shard its whole TP slice): `gather_unit`
-        all-gathers each column-parallel parameter straight into its natural place (one NCCL group
-        call of one all-gather per parameter) and only the row-parallel and replicated ones through a
-        staging buffer and the segment copy, which overlaps the column gathers. Off by default: on
-        2 x H200 (run 20261130T190125Z-8e64) its one all-gather per parameter cost more than the unpack it
-        saves (7B layer 1.49 vs 1.20 ms, 1.5B layer 1.09 vs 0.31 ms; equal when 4 layers pipeline).
-        `prefetch_unpack_blocks` (tg > 1, CUDA): bound the grid of a prefetched unit's unpack, which runs
-        beside the next unit's all-gather, so that it leaves SMs to NCCL. None: 3/4 of the device's SMs
-        (99 on an H200: 4 prefetched 7B layers 1.07 ms per layer against 1.12 unbounded, 1.08 at 66
-        blocks and 1.46-2.4 at 16-8, where the unpack outlasts the all-gather; run 20261130T192932Z-fb9f);
-        0: no bound.
-        `reshard_copy` (tg > 1): what does the unpack after a training gather and the pack before a
-        gradient reduce-scatter. "kernel": the fused segment-copy kernel (SMs). "copy_engine": one
-        `cudaMemcpy2DAsync` per 2-D run of the unit's table, ~15 per decoder layer (`ops.copy_2d`):
-        the DMA copy engines do the copy, so a prefetched unit's unpack leaves every SM to the next
-        unit's all-gather (and a gradient's pack to the backward's GEMMs). Same bytes, same result.
-        Measured slower (run 20261130T201033Z-1199, 2 x H200, 7B layer at tg = 2: 1.48 ms alone and 1.12 ms
-        per layer pipelined, against 1.28 and 1.08 with the kernel): the copy engines move device memory
-        at about 1.8 TB/s, and the pipelined all-gather loses as much to them as to the kernel.
-        `p2p_gather` (tg > 1): `gather_unit` receives the other ranks' shards with NCCL send/recv (one
-        batch per chunk, `p2p_chunks` chunks) instead of all-gathering the whole unit, and unpacks its own
-        shard straight from G while they arrive, then each received chunk as soon as it lands. Saves the
-        all-gather's copy of the own shard and the unpack's read of it from a staging copy (a third
-        less memory traffic per unit at tg = N = 2), and overlaps all but the last chunk's unpack with
-        the transfer. Off by default: on 2 x H200 (run 20261130T202019Z-aff3) a 7B layer took 1.22 ms alone
-        (all-gather + unpack 1.28) and the same 1.00 ms per layer one prefetched ahead, but a 1.5B layer
-        took 0.94 ms against 0.33: each send/recv batch costs the host ~0.2 ms, more than a small
-        layer's transfer. Its unpacks always use the segment-copy kernel (`reshard_copy` then applies
-        to the gradient pack only)."""
-        if reshard_copy not in RESHARD_COPIES:
-            raise ValueError(f"reshard_copy must be one of {RESHARD_COPIES}, got {reshard_copy!r}")
-        if not isinstance(p2p_chunks, int) or p2p_chunks < 1:
-            raise ValueError(f"p2p_chunks must be an int >= 1, got {p2p_chunks!r}")
+        (0: one all-gather per unit; None: a quarter of the switch's bytes within SWITCH_BATCH_BYTES)."""
         if switch_batch_bytes is not None and (not isinstance(switch_batch_bytes, int) or switch_batch_bytes < 0):
             raise ValueError(f"switch_batch_bytes must be None or an int >= 0, got {switch_batch_bytes!r}")
         # Without torch.distributed the buffer is one rank alone: every collective is skipped.
@@ -328,26 +239,15 @@ class ShardedBuffer:
             low, high = SWITCH_BATCH_BYTES
             switch_batch_bytes = min(high, max(low, received // 4))
         self.switch_batch_bytes = switch_batch_bytes
-        self.batch_page_calls = bool(batch_page_calls)
-        self.direct_gather = bool(direct_gather) and m == 1 and tp_size > 1
-        if prefetch_unpack_blocks is None:
-            prefetch_unpack_blocks = (torch.cuda.get_device_properties(self.device).multi_processor_count * 3 // 4
-                                      if self.device.type == "cuda" else 0)
-        if not isinstance(prefetch_unpack_blocks, int) or prefetch_unpack_blocks < 0:
-            raise ValueError(f"prefetch_unpack_blocks must be None or an int >= 0 (0: no bound), got "
-                             f"{prefetch_unpack_blocks!r}")
-        self.prefetch_unpack_blocks = prefetch_unpack_blocks
-        self.reshard_copy = reshard_copy
-        self.p2p_gather = bool(p2p_gather) and tp_size > 1 and not self.direct_gather
-        self.p2p_chunks = p2p_chunks
-        self._p2p: list[_P2PPlan | None] = [None] * len(self.layout.units)
-        self._global_ranks = global_ranks
-        self._direct: list[_DirectPlan | None] = [None] * len(self.layout.units)
+        # A prefetched unit's unpack runs beside the next unit's all-gather: bounding its grid to 3/4 of
+        # the SMs leaves the rest to NCCL (the best bound of a sweep; far fewer blocks make the unpack
+        # outlast the all-gather). 0: no bound (CPU).
+        self.prefetch_unpack_blocks = (torch.cuda.get_device_properties(self.device).multi_processor_count * 3 // 4
+                                       if self.device.type == "cuda" else 0)
         self.gen = GenerationBuffer(self.layout, self.rank, dtype, self.device, self.use_vmm)
         self.state = "training"
         self._unpack = [None] * len(self.layout.units)
         self._pack = [None] * len(self.layout.units)
-        self._runs: dict[tuple[int, bool], torch.Tensor] = {}
         cuda = self.device.type == "cuda"
         self._side_stream = torch.cuda.Stream(self.device) if cuda else None  # prefetch all-gathers
         self._unpack_stream = torch.cuda.Stream(self.device) if cuda else None  # their unpacks (tg > 1)
@@ -355,7 +255,6 @@ class ShardedBuffer:
         # NCCL group calls (one launch for several units' all-gathers) need the NCCL backend.
         self._coalesce = (cuda and self.micro_dp_group is not None
                           and dist.get_backend(self.micro_dp_group) == "nccl")
-        self._coalesce_all = cuda and not self.local and dist.get_backend(self.group) == "nccl"
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -424,12 +323,9 @@ class ShardedBuffer:
                                f"training state: {e}") from e
         works, mapped = [], []  # mapped: (unit, byte offsets this call mapped for it)
         for batch in switch_batches(self.layout, self.switch_batch_bytes if self._coalesce else 0):
-            # host-side mapping; the previous batch's all-gathers are in flight
-            steps = [batch] if self.batch_page_calls else [[u] for u in batch]
-            for units in steps:
+            for u in batch:  # host-side mapping; the previous batch's all-gathers are in flight
                 try:
-                    done = (self.gen.map_units(units) if self.batch_page_calls
-                            else {units[0]: self.gen.map_unit(units[0])})
+                    offsets = self.gen.map_unit(u)
                 except RuntimeError as e:
                     for w in works:
                         w.wait()
@@ -437,11 +333,10 @@ class ShardedBuffer:
                         torch.cuda.current_stream(self.device).synchronize()
                     for v, offs in mapped:
                         self.gen.unmap_unit(v, offs)
-                    names = ("units " if len(units) > 1 else "unit ") + ", ".join(
-                        repr(self.layout.units[u].name) for u in units)
-                    raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map {names}; "
-                                       f"the buffer is back in training state: {e}") from e
-                mapped += [(u, offs) for u, offs in done.items() if offs]
+                    raise RuntimeError(f"rank {self.rank}: switch_to_generation could not map unit "
+                                       f"{self.layout.units[u].name!r}; the buffer is back in training state: {e}") from e
+                if offsets:
+                    mapped.append((u, offsets))
             if self.layout.num_shards > 1:
                 works.append(self._gather_slices(batch))
         for w in works:
@@ -520,17 +415,8 @@ class ShardedBuffer:
         return cache[u]
 
     def _reshard(self, u: int, src: torch.Tensor, dst: torch.Tensor, pack: bool, max_blocks: int = 0) -> None:
-        """Unit u natural -> slice-major (pack) or back, with the segment-copy kernel or the copy engines."""
-        if self.reshard_copy == "kernel":
-            segment_copy(src, dst, self._table(u, pack), max_blocks=max_blocks)
-            return
-        key = (u, pack)
-        if key not in self._runs:
-            unit = self.layout.units[u]
-            src_n, dst_n = (unit.natural_numel, unit.numel) if pack else (unit.numel, unit.natural_numel)
-            table = unit.pack_table() if pack else unit.unpack_table()
-            self._runs[key] = prepare_runs(table, src_numel=src_n, dst_numel=dst_n)
-        copy_2d(src, dst, self._runs[key])
+        """Unit u natural -> slice-major (pack) or back, with the segment-copy kernel."""
+        segment_copy(src, dst, self._table(u, pack), max_blocks=max_blocks)
 
     def pack_unit(self, u: int, natural: torch.Tensor) -> torch.Tensor:
         """Natural -> slice-major (padding zero; replicated params copied into every slice)."""
@@ -559,159 +445,8 @@ class ShardedBuffer:
         return natural
 
     def _gather(self, u: int) -> torch.Tensor:
-        if self.p2p_gather:
-            if self._side_stream is None:
-                return self._gather_p2p(u, None)[0]
-            current = torch.cuda.current_stream(self.device)
-            self._side_stream.wait_stream(current)
-            with torch.cuda.stream(self._side_stream):
-                natural, event = self._gather_p2p(u, self._side_stream)
-            current.wait_event(event)
-            natural.record_stream(current)
-            return natural
-        if self.direct_gather:
-            return self._gather_direct(u, None)
         full = self._gather_packed(u)
         return self._unpack_unit(u, full) if self.layout.tp_size > 1 else full
-
-    def _direct_plan(self, u: int) -> _DirectPlan:
-        if self._direct[u] is None:
-            unit, tp = self.layout.units[u], self.layout.tp_size
-            direct, staged, rows, stage = [], [], [], 0
-            for piece in (p for p in unit.pieces if p.slice_index == 0):  # offsets in every slice alike
-                spec = next(s for s in unit.params if s.name == piece.name)
-                base = unit.natural_offsets[spec.name]
-                if spec.role in ("column", "vocab") and piece.slot_numel * tp == spec.numel:
-                    direct.append((base, spec.numel, piece.offset, piece.slot_numel))
-                    continue
-                staged.append((piece.offset, piece.slot_numel, stage))
-                for t in range(1 if spec.role == "replicated" else tp):  # replicated: slice 0's copy
-                    cursor = stage + t * piece.slot_numel
-                    for off, n in spec.natural_segments(t, tp):
-                        rows.append((cursor, base + off, n))
-                        cursor += n
-                stage += piece.slot_numel * tp
-            table = None
-            if rows:
-                table = prepare_table(merge_segments(rows), self.layout.element_size, src_numel=stage,
-                                      dst_numel=unit.natural_numel, device=self.device)
-            self._direct[u] = _DirectPlan(direct, staged, stage, table)
-        return self._direct[u]
-
-    def _all_gathers(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """all_gather_into_tensor(out, inp) for each pair: one NCCL group call (a gloo call each)."""
-        if not pairs:
-            return
-        if self._coalesce_all and len(pairs) > 1:
-            with dist._coalescing_manager(group=self.group, device=self.device):
-                for out, inp in pairs:
-                    dist.all_gather_into_tensor(out, inp, group=self.group)
-        else:
-            for out, inp in pairs:
-                _all_gather(out, inp, group=self.group)
-
-    def _gather_direct(self, u: int, unpack_stream: torch.cuda.Stream | None) -> tuple | torch.Tensor:
-        """`direct_gather`: unit u in natural layout. On the current stream: the staged all-gathers,
-        then the direct ones; the staged unpack runs on the unpack stream meanwhile (CUDA). With
-        `unpack_stream` given, returns (natural, the unpack stream's event) for the caller to join;
-        else the current stream waits for the unpack itself."""
-        plan, unit = self._direct_plan(u), self.layout.units[u]
-        shard = self.gen.own_shard(u)
-        dtype = shard.dtype
-        natural = torch.empty(unit.natural_numel, dtype=dtype, device=self.device)
-        stage = torch.empty(plan.stage_numel, dtype=dtype, device=self.device)
-        self._all_gathers([(stage[s:s + n * self.world_size], shard[o:o + n]) for o, n, s in plan.staged])
-        side = unpack_stream if unpack_stream is not None else self._unpack_stream
-        if side is None:  # CPU: in order
-            self._all_gathers([(natural[b:b + n], shard[o:o + k]) for b, n, o, k in plan.direct])
-            if plan.table is not None:
-                segment_copy(stage, natural, plan.table)
-            return natural
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            if plan.table is not None:
-                segment_copy(stage, natural, plan.table)
-        stage.record_stream(side)
-        natural.record_stream(side)
-        self._all_gathers([(natural[b:b + n], shard[o:o + k]) for b, n, o, k in plan.direct])
-        if unpack_stream is not None:
-            event = torch.cuda.Event()
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            event.record(side)
-            return natural, event
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        return natural
-
-    def _p2p_plan(self, u: int) -> _P2PPlan:
-        if self._p2p[u] is None:
-            unit, n, es = self.layout.units[u], self.world_size, self.layout.element_size
-            size = unit.shard_numel
-            table = unit.unpack_table()
-            step = -(-size // self.p2p_chunks)
-            step = -(-step // 64) * 64  # 128-byte aligned pieces (bf16)
-            bounds = [(a, min(a + step, size)) for a in range(0, size, step)] or [(0, 0)]
-            peers = [r for r in range(n) if r != self.rank]
-
-            def prepare(rows: torch.Tensor, src_numel: int) -> torch.Tensor | None:
-                if len(rows) == 0:
-                    return None
-                return prepare_table(rows, es, src_numel=src_numel, dst_numel=unit.natural_numel, device=self.device)
-
-            own = prepare(clip_table(table, self.rank * size, (self.rank + 1) * size, -self.rank * size), size)
-            tables = []
-            for a, b in bounds:
-                rows = [clip_table(table, r * size + a, r * size + b, (j - r) * size) for j, r in enumerate(peers)]
-                tables.append(prepare(torch.cat(rows), len(peers) * size))
-            self._p2p[u] = _P2PPlan(own, tables, bounds, peers)
-        return self._p2p[u]
-
-    def _p2p_batch(self, ops: list) -> None:
-        """One batch of NCCL/gloo point-to-point ops; the current stream waits for it."""
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-    def _gather_p2p(self, u: int, comm: torch.cuda.Stream | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """`p2p_gather`: unit u in natural layout. CUDA: the transfers on `comm` (which has waited for the
-        current stream), the unpacks on the unpack stream; returns (natural, the unpack stream's event)."""
-        plan, unit = self._p2p_plan(u), self.layout.units[u]
-        shard = self.gen.own_shard(u)
-        natural = torch.empty(unit.natural_numel, dtype=shard.dtype, device=self.device)
-        recv = torch.empty(len(plan.peers) * unit.shard_numel, dtype=shard.dtype, device=self.device)
-        peer_ranks = [self._global_ranks[r] for r in plan.peers]
-
-        def piece_ops(k: int) -> list:
-            a, b = plan.bounds[k]
-            ops = [dist.P2POp(dist.isend, shard[a:b], p, self.group) for p in peer_ranks]
-            size = unit.shard_numel
-            return ops + [dist.P2POp(dist.irecv, recv[j * size + a:j * size + b], p, self.group)
-                          for j, p in enumerate(peer_ranks)]
-
-        if comm is None:  # CPU: in order
-            if plan.own is not None:
-                segment_copy(shard, natural, plan.own)
-            for k, table in enumerate(plan.tables):
-                self._p2p_batch(piece_ops(k))
-                if table is not None:
-                    segment_copy(recv, natural, table)
-            return natural, None
-        unpack = self._unpack_stream
-        unpack.wait_stream(comm)
-        with torch.cuda.stream(unpack):  # the own shard, while the others arrive
-            if plan.own is not None:
-                segment_copy(shard, natural, plan.own, max_blocks=self.prefetch_unpack_blocks)
-        for k, table in enumerate(plan.tables):
-            self._p2p_batch(piece_ops(k))
-            arrived = torch.cuda.Event()
-            arrived.record(comm)
-            unpack.wait_event(arrived)
-            if table is not None:
-                with torch.cuda.stream(unpack):
-                    segment_copy(recv, natural, table, max_blocks=self.prefetch_unpack_blocks)
-        recv.record_stream(unpack)
-        natural.record_stream(unpack)
-        event = torch.cuda.Event()
-        event.record(unpack)
-        return natural, event
 
     def prefetch_unit(self, u: int) -> None:
         """Start gathering unit u (CUDA: on a side stream, so it overlaps the current unit's compute).
@@ -724,15 +459,6 @@ class ShardedBuffer:
             self._prefetched[u] = _Prefetch(self._gather(u), None)
             return
         self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        if self.p2p_gather:
-            with torch.cuda.stream(self._side_stream):
-                self._prefetched[u] = _Prefetch(*self._gather_p2p(u, self._side_stream))
-            return
-        if self.direct_gather:
-            with torch.cuda.stream(self._side_stream):
-                natural, event = self._gather_direct(u, self._unpack_stream)
-            self._prefetched[u] = _Prefetch(natural, event)
-            return
         with torch.cuda.stream(self._side_stream):
             natural = self._gather_packed(u)
         last = self._side_stream

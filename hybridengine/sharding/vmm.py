@@ -1,8 +1,7 @@
 """Python face of the extension's CUDA VMM range (csrc/vmm_cuda.cpp): errors become exceptions.
 
 A reserved virtual address range on one GPU; `map(offset, nbytes)` backs a piece of it with its own
-physical allocation (`map_pieces`: several pieces with one cuMemSetAccess per contiguous run;
-`map_in_background`: on a host thread), `unmap(offset)` releases it (`unmap_after_current_stream`:
+physical allocation (`map_in_background`: several, on a host thread), `unmap(offset)` releases it (`unmap_after_current_stream`:
 later, on a host thread), `tensor(dtype)` is a torch view of the whole range (touch only mapped parts).
 """
 
@@ -39,12 +38,6 @@ class VmmRange:
 
     def map(self, offset: int, nbytes: int) -> None:
         _raise(self._range.map(int(offset), int(nbytes)))
-
-    def map_pieces(self, pieces: list[tuple[int, int]]) -> None:
-        """Back (offset, nbytes) pieces with memory: a cuMemCreate + cuMemMap per piece (the driver maps
-        an allocation only from its start), then one cuMemSetAccess per run of pieces joined by
-        already-mapped ranges. All or nothing. Each piece is then a mapping like `map`'s."""
-        _raise(self._range.map_pieces([int(o) for o, _ in pieces], [int(n) for _, n in pieces]))
 
     def unmap(self, offset: int) -> None:
         _raise(self._range.unmap(int(offset)))
