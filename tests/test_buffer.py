@@ -36,3 +36,17 @@ def test_errors():
         FlatParamBuffer(layout, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rank=2 outside world_size=2"):
         FlatParamBuffer(layout, dtype=torch.float32, rank=2)
+    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype, got str"):
+        FlatParamBuffer(layout, dtype="float32")
+    with pytest.raises(ValueError, match=r"rank=1.0 outside world_size=2"):
+        FlatParamBuffer(layout, dtype=torch.float32, rank=1.0)
+    good = torch.zeros(layout.gen_numel)
+    assert FlatParamBuffer(layout, dtype=torch.float32, data=good).data is good
+    with pytest.raises(ValueError, match=r"FlatParamBuffer: data must have shape \(%d,\)" % layout.gen_numel):
+        FlatParamBuffer(layout, dtype=torch.float32, data=torch.zeros(layout.gen_numel + 1))
+    with pytest.raises(ValueError, match="FlatParamBuffer: data must be torch.float32, got torch.float64"):
+        FlatParamBuffer(layout, dtype=torch.float32, data=torch.zeros(layout.gen_numel, dtype=torch.float64))
+    with pytest.raises(ValueError, match="FlatParamBuffer: data must be a torch.Tensor"):
+        FlatParamBuffer(layout, dtype=torch.float32, data=[0.0] * layout.gen_numel)
+    with pytest.raises(ValueError, match="FlatParamBuffer: data must be contiguous"):
+        FlatParamBuffer(layout, dtype=torch.float32, data=torch.zeros(2 * layout.gen_numel)[::2])

@@ -160,5 +160,17 @@ def test_errors():
         ShardedLayout(gqa, world_size=4, tp_size=4)
     with pytest.raises(ValueError, match="role 'diagonal'"):
         ParamSpec("w", (2, 2), "diagonal", "head")
+    with pytest.raises(ValueError, match=r"shape must be a non-empty tuple of ints, got \[2, 2\]"):
+        ParamSpec("w", [2, 2], "replicated", "head")
+    with pytest.raises(ValueError, match="shape must be a non-empty tuple of ints"):
+        ParamSpec("w", (2.0,), "replicated", "head")
+    with pytest.raises(ValueError, match="granule must be an int >= 1, got 0"):
+        ParamSpec("w", (2, 2), "column", "head", 0)
+    with pytest.raises(ValueError, match="name must be a non-empty str"):
+        ParamSpec("", (2,), "replicated", "head")
+    with pytest.raises(ValueError, match=r"tp_size must be >= 1 \(an int\), got 1.0"):
+        ShardedLayout(specs, tp_size=1.0)
+    with pytest.raises(ValueError, match="specs must be ParamSpec"):
+        ShardedLayout([("model.norm.weight", (4,))])
     with pytest.raises(KeyError, match="not in this layout"):
         ShardedLayout(specs).gen_view(torch.zeros(1), "nope")

@@ -2,7 +2,9 @@
 
 Three layers, as for every op: `segment_copy_ref` (plain torch, the reference), the C++/CUDA op
 `torch.ops.hybridengine.segment_copy` (CPU: validates the table then memcpy per row; CUDA: one
-launch for all rows, 16-byte vectors where aligned), and `segment_copy` which picks one.
+launch for all rows, 16-byte vectors where aligned), and `segment_copy`, which checks its arguments
+and hands them to `launch_segment_copy`, which picks one (callers that built the arguments
+themselves call it directly).
 
 Device tables come from `prepare_table`, which validates once on the host (bounds, overlapping
 destinations) and splits long rows so one launch spreads over the whole GPU.
@@ -12,23 +14,21 @@ from __future__ import annotations
 
 import torch
 
+from hybridengine.checks import describe
 from hybridengine.ops._ext import extension_has, warn_once
 
 MAX_SEGMENT_BYTES = 32 * 1024
 """Rows longer than this are split: one CUDA warp per row, so a 4 GiB copy runs as 128k warps."""
 
 
-def check_src_dst(op: str, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """The copy ops' shared checks: contiguous 1-D src and dst of one dtype."""
-    for name, t in (("src", src), ("dst", dst)):
-        if t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
-    if src.dtype != dst.dtype:
-        raise ValueError(f"{op}: dtype mismatch, src is {src.dtype} and dst is {dst.dtype}")
-
-
 def _check_args(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) -> None:
-    check_src_dst("segment_copy", src, dst)
+    for name, t in (("src", src), ("dst", dst)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"segment_copy: {name} must be a contiguous 1-D tensor, got {describe(t)}")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"segment_copy: dtype mismatch, src is {src.dtype} and dst is {dst.dtype}")
+    if not isinstance(table, torch.Tensor):
+        raise ValueError(f"segment_copy: table must be an int64 tensor [S, 3], got {describe(table)}")
     if src.device != dst.device or table.device != src.device:
         raise ValueError(f"segment_copy: src ({src.device}), dst ({dst.device}) and table ({table.device}) "
                          "must be on one device")
@@ -104,8 +104,15 @@ def segment_copy(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, *, m
     `max_blocks` > 0 bounds the CUDA grid (blocks stride over the rows), so a copy running beside an
     NCCL collective leaves SMs to it; 0 (default): one block per 8 rows. No effect on CPU."""
     _check_args(src, dst, table)
-    if not isinstance(max_blocks, int) or max_blocks < 0:
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 0:
         raise ValueError(f"segment_copy: max_blocks must be an int >= 0 (0: no bound), got {max_blocks!r}")
+    launch_segment_copy(src, dst, table, max_blocks)
+
+
+def launch_segment_copy(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, max_blocks: int = 0) -> None:
+    """`segment_copy` for callers that built the arguments themselves (the sharded buffer's pack and
+    unpack, several per training step, with tables from `prepare_table`): asserts instead of checks."""
+    assert src.dim() == 1 and dst.dim() == 1 and src.dtype == dst.dtype and src.device == dst.device == table.device
     if extension_has("segment_copy", src.device.type):
         torch.ops.hybridengine.segment_copy(src, dst, table, max_blocks)
         return

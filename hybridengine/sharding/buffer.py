@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridengine.checks import describe, tensor
 from hybridengine.sharding.layout import ParamSpec, ShardedLayout
 
 
@@ -11,14 +12,18 @@ class FlatParamBuffer:
     """A rank's generation buffer G: TP slice `tp_rank` of every unit, in slice-major order.
 
     On a single device (world_size = tp_size = 1) G is the whole model and every view is the full
-    parameter in natural layout. With sharding (later: the zero-copy switch) the rank's training
-    shard lives permanently inside G (`shard_views`). Padding elements are zero and stay zero.
+    parameter in natural layout. Sharded, `data` is the memory of a `ShardedBuffer` (its
+    `flat_buffer`), and the rank's training shard of each unit lives permanently inside G
+    (`shard_views`). Padding elements are zero and stay zero.
     """
 
     def __init__(self, specs: list[ParamSpec] | ShardedLayout, *, dtype: torch.dtype,
                  device: torch.device | str = "cpu", rank: int = 0, shard_align_bytes: int = 16,
                  data: torch.Tensor | None = None):
-        """`data`: an existing generation buffer to view (e.g. a ShardedBuffer's G) instead of a new one."""
+        """`specs`: the parameters (laid out for one rank) or a layout. `data`: an existing generation
+        buffer to view (a ShardedBuffer's G) instead of a new one."""
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"FlatParamBuffer: dtype must be a floating torch.dtype, got {describe(dtype)}")
         if isinstance(specs, ShardedLayout):
             self.layout = specs
         else:
@@ -27,14 +32,15 @@ class FlatParamBuffer:
         if self.layout.element_size != torch.empty((), dtype=dtype).element_size():
             raise ValueError(f"FlatParamBuffer: dtype {dtype} does not match the layout's element_size "
                              f"{self.layout.element_size}")
-        if not 0 <= rank < self.layout.world_size:
-            raise ValueError(f"FlatParamBuffer: rank={rank} outside world_size={self.layout.world_size}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.layout.world_size:
+            raise ValueError(f"FlatParamBuffer: rank={rank!r} outside world_size={self.layout.world_size}")
         self.rank = rank
         if data is None:
             data = torch.zeros(self.layout.gen_numel, dtype=dtype, device=device)
-        elif data.shape != (self.layout.gen_numel,) or data.dtype != dtype:
-            raise ValueError(f"FlatParamBuffer: data must be [{self.layout.gen_numel}] {dtype}, got "
-                             f"{tuple(data.shape)} {data.dtype}")
+        else:
+            tensor("FlatParamBuffer", "data", data, shape=(self.layout.gen_numel,), dtypes=(dtype,))
+            if not data.is_contiguous():
+                raise ValueError(f"FlatParamBuffer: data must be contiguous, got strides {data.stride()}")
         self.data = data
 
     @property

@@ -4,7 +4,8 @@ The model is cut into *units* (the embedding, each decoder layer, the final norm
 Inside a unit the flat order is TP-slice major: `[slice 0 | slice 1 | ... | slice tg-1]`, and
 slice t holds, parameter after parameter, the piece of each parameter that TP rank t uses for
 generation. Each slice is cut into `m = N / tg` equal training shards, so rank `r = t*m + j`
-trains a shard that lies inside the slice it generates with (DESIGN.md, "The one idea").
+trains a shard that lies inside the slice it generates with: the optimizer updates, in place, the
+very elements the rollout reads.
 
 Slicing rule by role (`tp_role` picks the role from the HF parameter name):
 
@@ -76,6 +77,13 @@ class ParamSpec:
     """Slices along the split dim must be multiples of this (head_dim for q/k/v)."""
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ParamSpec: name must be a non-empty str, got {self.name!r}")
+        if (not isinstance(self.shape, tuple) or not self.shape
+                or not all(isinstance(d, int) and not isinstance(d, bool) for d in self.shape)):
+            raise ValueError(f"ParamSpec {self.name!r}: shape must be a non-empty tuple of ints, got {self.shape!r}")
+        if isinstance(self.granule, bool) or not isinstance(self.granule, int) or self.granule < 1:
+            raise ValueError(f"ParamSpec {self.name!r}: granule must be an int >= 1, got {self.granule!r}")
         if self.role not in ROLES:
             raise ValueError(f"ParamSpec {self.name!r}: role {self.role!r} is not one of {ROLES}")
         if self.role in ("column", "row", "vocab") and len(self.shape) < (2 if self.role == "row" else 1):
@@ -215,8 +223,12 @@ class ShardedLayout:
 
     def __post_init__(self):
         for arg in ("world_size", "tp_size", "element_size", "align_bytes", "shard_align_bytes"):
-            if getattr(self, arg) < 1:
-                raise ValueError(f"ShardedLayout: {arg} must be >= 1, got {getattr(self, arg)}")
+            value = getattr(self, arg)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ShardedLayout: {arg} must be >= 1 (an int), got {value!r}")
+        bad = [s for s in self.specs if not isinstance(s, ParamSpec)]
+        if bad:
+            raise ValueError(f"ShardedLayout: specs must be ParamSpec (see param_specs), got {type(bad[0]).__name__}")
         if self.world_size % self.tp_size:
             raise ValueError(
                 f"ShardedLayout: tp_size={self.tp_size} must divide world_size={self.world_size}")
