@@ -80,7 +80,7 @@ def profile_one(buf, variant: str, cuda: bool, trace: Path | None) -> dict:
 
 
 def run(model: str, device: torch.device, out: Path, batch_bytes: int | None) -> dict:
-    from hybridengine.sharding.sharded import ShardedBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     from .switch import _specs
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hybridengine.sharding.sharded import _all_gather
+from hybridengine.sharding.switch import _all_gather
 
 from .common import GiB, Ctx, nvml_used_gib, quantiles
 
@@ -85,7 +85,7 @@ def _to_gen_after_idle(ctx: Ctx, buf, ahead: bool = False) -> tuple[list[float],
 
 
 def switch(ctx: Ctx) -> None:
-    from hybridengine.sharding.sharded import ShardedBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     if ctx.world < 2:
         ctx.rec.not_run("switch", "hybridengine", None, "needs >= 2 ranks")
@@ -227,7 +227,7 @@ def _batch_sweep(ctx: Ctx, buf, model: str, case: dict) -> None:
 
 def unit_gather(ctx: Ctx) -> None:
     """One decoder layer: hybridengine gather (+ unpack for tg > 1) vs raw all-gather vs FSDP2 unshard."""
-    from hybridengine.sharding.sharded import ShardedBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     if ctx.world < 2:
         ctx.rec.not_run("unit_gather", "hybridengine", None, "needs >= 2 ranks")
@@ -285,7 +285,7 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4, lookahead: i
     stream) and consumed in order, time per layer; against the same number of raw all-gathers of a
     layer's bytes back to back. lookahead None: every layer prefetched before the first is consumed;
     1: layer u + 1 prefetched just before layer u is consumed, as a training forward does."""
-    from hybridengine.sharding.sharded import ShardedBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     names = {f"layers.{i}" for i in range(layers)}
     sub = [s for s in specs if s.unit in names]

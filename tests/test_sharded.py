@@ -1,6 +1,7 @@
 """The zero-copy switch over gloo processes on CPU: N in {1, 2, 3, 4}, every tg dividing N."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -23,7 +24,7 @@ def full_params(specs, dtype, seed=1234):
 
 def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_kwargs):
     """Every check of the issue for one world size, all tg dividing it (gloo on CPU, NCCL on GPU)."""
-    from hybridengine.sharding.sharded import ShardedBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     specs = model_specs(**MODELS[model])
     params = {k: v.to(device) for k, v in full_params(specs, dtype).items()}
@@ -155,7 +156,7 @@ def _check_world(rank, world_size, init_file, model, dtype, *rest):
 
 
 def _mismatch(rank, world_size, init_file, errors):
-    from hybridengine.sharding.sharded import ShardedBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     with reporting(errors, f"rank {rank}"):
@@ -180,7 +181,7 @@ def test_mismatched_layouts_raise_on_every_rank():
 
 
 def test_without_torch_distributed_one_rank_alone():
-    from hybridengine.sharding.sharded import ShardedBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
     params = full_params(specs, torch.float32)
@@ -204,7 +205,8 @@ def test_without_torch_distributed_one_rank_alone():
 
 def test_failed_mapping_leaves_training_state(monkeypatch):
     """A mapping failure (e.g. out of memory) names the rank and unit and leaves the buffer as it was."""
-    from hybridengine.sharding.sharded import GenerationBuffer, ShardedBuffer
+    from hybridengine.sharding.generation_memory import GenerationBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -241,7 +243,7 @@ def test_switch_batches_cover_every_unit_once():
     """The switch's NCCL group calls: the smallest unit alone first, then units in layout order, each
     batch within switch_batch_bytes of received bytes unless one unit alone exceeds it."""
     from hybridengine.sharding.layout import ShardedLayout
-    from hybridengine.sharding.sharded import switch_batches
+    from hybridengine.sharding.switch import switch_batches
 
     specs = model_specs(**MODELS["odd-hidden"])
     lay = ShardedLayout(specs, world_size=4, tp_size=2)
@@ -305,7 +307,7 @@ def test_map_others_in_background():
     skipped); after wait_mapped a switch's map_unit finds nothing to map; a failure maps nothing; a
     release joins a pending background mapping first."""
     from hybridengine.sharding.layout import ShardedLayout
-    from hybridengine.sharding.sharded import GenerationBuffer
+    from hybridengine.sharding.generation_memory import GenerationBuffer
 
     layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=2, tp_size=1)
     gen = GenerationBuffer(layout, 0, torch.float32, torch.device("cpu"), use_vmm=False)
@@ -332,7 +334,8 @@ def test_map_others_in_background():
 def test_prepare_generation_states_and_failure(monkeypatch):
     """prepare_generation needs the training state; a failed background mapping is raised by the next
     switch_to_generation, naming the rank, with the buffer left in training; the switch after works."""
-    from hybridengine.sharding.sharded import GenerationBuffer, ShardedBuffer
+    from hybridengine.sharding.generation_memory import GenerationBuffer
+    from hybridengine.sharding.switch import ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
     buf = ShardedBuffer(specs, dtype=torch.float32)
@@ -364,7 +367,7 @@ def test_map_unit_maps_only_what_is_missing():
     """Pages kept mapped (switch_to_training(release=False)) are not mapped again; a failed map_unit
     unmaps only what it mapped itself, never kept pages."""
     from hybridengine.sharding.layout import ShardedLayout
-    from hybridengine.sharding.sharded import GenerationBuffer
+    from hybridengine.sharding.generation_memory import GenerationBuffer
 
     layout = ShardedLayout(model_specs(**MODELS["odd-hidden"]), world_size=4, tp_size=1, element_size=4)
     gen = GenerationBuffer(layout, 1, torch.float32, torch.device("cpu"), use_vmm=False)
@@ -395,7 +398,7 @@ def test_map_unit_maps_only_what_is_missing():
 
 
 def test_switch_batch_bytes_argument():
-    from hybridengine.sharding.sharded import SWITCH_BATCH_BYTES, ShardedBuffer
+    from hybridengine.sharding.switch import SWITCH_BATCH_BYTES, ShardedBuffer
 
     specs = model_specs(**MODELS["odd-hidden"])
     for bad in (-1, 1.5, "2GiB"):
@@ -404,3 +407,71 @@ def test_switch_batch_bytes_argument():
     # Alone nothing is received: the automatic batch sits at its lower bound.
     assert ShardedBuffer(specs, dtype=torch.float32).switch_batch_bytes == SWITCH_BATCH_BYTES[0]
     assert ShardedBuffer(specs, dtype=torch.float32, switch_batch_bytes=0).switch_batch_bytes == 0
+
+
+def test_constructor_and_load_arguments():
+    """The public boundary: every bad argument of ShardedBuffer(...) and load_ raises, naming it."""
+    from hybridengine.sharding.switch import ShardedBuffer
+
+    specs = model_specs(**MODELS["odd-hidden"])
+    for bad, match in (([], "specs must be a non-empty list of ParamSpec"),
+                       ([("model.norm.weight", (4,))], "specs must be a non-empty list of ParamSpec, got list"),
+                       ("model.norm.weight", "specs must be a non-empty list of ParamSpec, got str")):
+        with pytest.raises(ValueError, match=match):
+            ShardedBuffer(bad, dtype=torch.float32)
+    for kwargs, match in (({"dtype": torch.int32}, "dtype must be a floating torch.dtype, got torch.int32"),
+                          ({"dtype": "bf16"}, "dtype must be a floating torch.dtype, got 'bf16'"),
+                          ({"tp_size": 0}, r"tp_size must be in \[1, inf\), got 0"),
+                          ({"tp_size": 1.0}, "tp_size must be a finite integer, got 1.0"),
+                          ({"tp_size": 2}, "tp_size=2 must divide the group's world_size=1"),
+                          ({"use_vmm": "yes"}, "use_vmm must be one of"),
+                          ({"use_vmm": True}, "use_vmm=True needs a CUDA device, got device=cpu"),
+                          ({"timeout": 30}, "timeout must be None or a datetime.timedelta, got int 30"),
+                          ({"switch_batch_bytes": True}, "switch_batch_bytes must be None or an int >= 0")):
+        with pytest.raises(ValueError, match="ShardedBuffer: " + match):
+            ShardedBuffer(specs, **({"dtype": torch.float32} | kwargs))
+
+    buf = ShardedBuffer(specs, dtype=torch.float32)
+    params = full_params(specs, torch.float32)
+    name = specs[0].name
+    with pytest.raises(ValueError, match="ShardedBuffer.load_: params must be a mapping"):
+        buf.load_(list(params.values()))
+    with pytest.raises(ValueError, match=rf"load_: parameters missing: \['{name}'\]"):
+        buf.load_({n: p for n, p in params.items() if n != name})
+    for bad, match in ((params[name].t(), rf"params\['{name}'\] must have shape {re.escape(str(specs[0].shape))}"),
+                       (params[name].long(), rf"params\['{name}'\] must be a float tensor"),
+                       (params[name].tolist(), rf"params\['{name}'\] must be a torch.Tensor")):
+        with pytest.raises(ValueError, match=match):
+            buf.load_(params | {name: bad})
+    assert not any(s.any() for s in buf.shard_views())  # nothing was written by the failed loads
+    buf.load_(params | {"not.a.parameter": torch.zeros(1)})  # names outside the layout are ignored
+    buf.switch_to_generation()
+    with pytest.raises(RuntimeError, match=r"rank 0: load_\(\) needs the training state"):
+        buf.load_(params)
+
+
+def test_views_are_the_flat_buffer():
+    """shard_views and generation_views are FlatParamBuffer's views of G (one implementation); close()
+    drops every reference to G."""
+    from hybridengine.sharding.buffer import FlatParamBuffer
+    from hybridengine.sharding.layout import ShardedLayout
+    from hybridengine.sharding.switch import ShardedBuffer
+
+    specs = model_specs(**MODELS["odd-hidden"])
+    buf = ShardedBuffer(specs, dtype=torch.float32)
+    buf.load_(full_params(specs, torch.float32))
+    flat = buf.flat_buffer
+    assert isinstance(flat, FlatParamBuffer) and flat.data is buf.gen.data and flat.layout is buf.layout
+    assert [s.data_ptr() for s in buf.shard_views()] == [s.data_ptr() for s in flat.shard_views()]
+    buf.switch_to_generation()
+    views = buf.generation_views()
+    assert list(views) == [s.name for s in specs]
+    assert all(v.data_ptr() == flat.view(n).data_ptr() and v.shape == flat.view(n).shape for n, v in views.items())
+    buf.switch_to_training()
+    buf.close()
+    assert buf.gen is None and buf.flat_buffer is None
+    # The shard views of a rank of a larger world lie in its slice of G, one per unit.
+    layout = ShardedLayout(specs, world_size=4, tp_size=2, element_size=4)
+    other = FlatParamBuffer(layout, dtype=torch.float32, rank=3)
+    assert [(s.data_ptr() - other.data.data_ptr()) // 4 for s in other.shard_views()] == \
+        [off for off, _ in layout.shard_in_gen(3)]

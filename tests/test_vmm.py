@@ -143,7 +143,7 @@ def test_map_unit_keeps_mapped_pages(monkeypatch):
     import sys
 
     from hybridengine.sharding.layout import ShardedLayout
-    from hybridengine.sharding.sharded import GenerationBuffer
+    from hybridengine.sharding.generation_memory import GenerationBuffer
 
     sys.path.insert(0, os.path.dirname(__file__))
     from _models import MODELS, model_specs

@@ -1,8 +1,11 @@
 """Python face of the extension's CUDA VMM range (csrc/vmm_cuda.cpp): errors become exceptions.
 
-A reserved virtual address range on one GPU; `map(offset, nbytes)` backs a piece of it with its own
-physical allocation (`map_in_background`: several, on a host thread), `unmap(offset)` releases it (`unmap_after_current_stream`:
-later, on a host thread), `tensor(dtype)` is a torch view of the whole range (touch only mapped parts).
+A reserved virtual address range on one GPU. `map(offset, nbytes)` backs a piece of it with a
+physical allocation of its own and `unmap(offset)` gives it back; `map_in_background` maps several
+pieces on a host thread (`wait_mapped` joins) and `unmap_after_current_stream` releases several on
+a host thread once the current stream's queued work is done (`wait_released` joins), so the
+driver's page calls overlap GPU work. `tensor(dtype)` is a torch view of the range: only its mapped
+parts may be touched. Invalid arguments raise ValueError, driver failures RuntimeError.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ def _raise(message: str) -> None:
 
 
 class VmmRange:
+    """`nbytes` of virtual addresses (rounded up to the granularity) reserved on CUDA device `device`."""
+
     def __init__(self, nbytes: int, device: int):
         from hybridengine import ops  # noqa: F401  (loads hybridengine._C)
 
