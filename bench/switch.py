@@ -42,8 +42,8 @@ def _nccl_floor(ctx: Ctx, numel_out: int, dtype, desc: str) -> list[float]:
 
 def _fill(buf) -> None:
     """Random weights in every shard. A helper, not a loop in the bench: a loop variable left holding the
-    last shard view would keep a closed buffer's pages mapped into the next case (the tg = 2 case's
-    pre-buffer NVML baseline of run 20261130T171654Z-eab2 read 7.14 GiB high that way)."""
+    last shard view would keep a closed buffer's pages mapped into the next case (and raise its pre-buffer
+    NVML baseline)."""
     for shard in buf.shard_views():
         shard.normal_()
 
@@ -132,7 +132,7 @@ def switch(ctx: Ctx) -> None:
                     released.append(time.perf_counter() - t0)
                 # The same train->gen after the pages went back half a second earlier, as in an RL loop where a
                 # training step runs between the two switches: back to back (above) the driver's page calls
-                # take ~2-4x longer right after a release (per-call log of run 20261130T164536Z-71bb).
+                # take longer right after a release.
                 after_gap, gap_driver = _to_gen_after_idle(ctx, buf)
                 # Pages mapped ahead: prepare_generation() at the start of the gap, the switch only gathers.
                 ahead, _ = _to_gen_after_idle(ctx, buf, ahead=True)
@@ -261,9 +261,8 @@ def unit_gather(ctx: Ctx) -> None:
 
 
 UNPACK_BLOCKS_SWEEP = (0, 66, 132)
-"""With HE_UNPACK_SWEEP=1: grid bounds tried for a prefetched unit's unpack beside the default (ShardedBuffer.prefetch_unpack_blocks:
-3/4 of the SMs, 99 on an H200; 0: unbounded). 8-32 blocks made the unpack outlast the next all-gather
-(run 20261130T192828Z-5e6d); 100 was best of 66-264 (run 20261130T192932Z-fb9f)."""
+"""With HE_UNPACK_SWEEP=1: grid bounds tried for a prefetched unit's unpack beside the default
+(ShardedBuffer.prefetch_unpack_blocks: 3/4 of the SMs; 0: unbounded)."""
 
 
 def _gather_tgs(world: int) -> list[int]:

@@ -1,5 +1,5 @@
 """Compile every CUDA source with nvcc for sm_90 (compile only) and syntax-check the CUDA-only torch
-bindings (*_cuda.cpp) against the installed torch headers, so CUDA-side errors fail CI, not a GPU session."""
+bindings (*_cuda.cpp) against the installed torch headers, so CUDA-side errors fail CI, not a GPU run."""
 
 import os
 import pathlib

@@ -51,6 +51,18 @@ def test_empty_table_is_a_no_op():
     assert torch.equal(dst, torch.zeros(4))
 
 
+def test_launcher_matches_the_checked_op():
+    """launch_segment_copy (asserts only, for callers that built their arguments) copies what segment_copy does."""
+    from hybridengine.ops.segment_copy import launch_segment_copy
+
+    table = random_table(1000, 17, torch.Generator().manual_seed(5))
+    src = torch.randn(1000)
+    a, b = torch.zeros(1000), torch.zeros(1000)
+    segment_copy(src, a, table)
+    launch_segment_copy(src, b, prepare_table(table, 4, src_numel=1000, dst_numel=1000, max_bytes=64), 1)
+    assert torch.equal(a, b)
+
+
 def test_split_rows_keeps_semantics():
     gen = torch.Generator().manual_seed(3)
     table = random_table(5000, 9, gen)
@@ -108,6 +120,8 @@ def test_bad_tables_raise_and_leave_dst(table, match):
     (torch.zeros(2, 2), torch.zeros(4), torch.tensor([[0, 0, 1]]), "src must be a contiguous 1-D"),
     (torch.zeros(4), torch.zeros(8)[::2], torch.tensor([[0, 0, 1]]), "dst must be a contiguous 1-D"),
     (torch.zeros(4), torch.zeros(4), torch.tensor([[0, 0, 1]], device="meta"), "one device"),
+    ([0.0] * 4, torch.zeros(4), torch.tensor([[0, 0, 1]]), "src must be a contiguous 1-D tensor, got list"),
+    (torch.zeros(4), torch.zeros(4), [[0, 0, 1]], "table must be an int64 tensor"),
 ])
 def test_bad_arguments(src, dst, table, match):
     with pytest.raises(ValueError, match=match):
@@ -122,7 +136,7 @@ def test_max_blocks_argument():
     table = torch.tensor([[0, 5, 3], [6, 0, 2]])
     segment_copy(src, dst, table, max_blocks=1)
     assert dst.tolist() == [6, 7, 0, 0, 0, 0, 1, 2, 0, 0]
-    for bad in (-1, 1.5):
+    for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="max_blocks must be an int >= 0"):
             segment_copy(src, torch.zeros(10), table, max_blocks=bad)
     untouched = torch.zeros(10)

@@ -288,7 +288,7 @@ class ShardedBuffer:
         `release=False` keeps the other shards mapped, so the next `switch_to_generation()` is only the
         all-gather: memory stays at model/tg per rank through training. The kept pages hold stale data
         (the last rollout's weights) until that all-gather overwrites them; training must not read them.
-        `release_generation_pages()` gives them back later."""
+        `release_generation_pages()` gives them back."""
         self._expect("generation", "switch_to_training")
         if release:
             self.gen.release_others_deferred()
