@@ -18,7 +18,7 @@ DS_HYBRID_ENGINE_REASON = (
     "DeepSpeed Hybrid Engine kernel mode: deepspeed 0.19.8 has no Qwen2 inference container "
     "(module_inject/replace_policy.py lists Llama, Llama2, InternLM, OPT, BLOOM, GPT-*), so it injects no "
     "kernel for these configs; its Llama container crashes in ds_transformer.py under transformers 5 "
-    "(device NOTES.md, 2026-11-30; not re-run here). Nearest runnable row: deepspeed_gather_once.")
+    "(seen on the GPU machine; not re-run here). Nearest runnable row: deepspeed_gather_once.")
 
 
 def hf_model(name: str, *, dtype: torch.dtype, device: torch.device | None):
@@ -52,8 +52,8 @@ def hf_generate(ctx: Ctx) -> None:
         numel = sum(p.numel() for p in model.parameters())
         # Warm-up calls are full length: the allocator reaches its final size before timing, and with
         # the static cache HF compiles the decode step on CUDA for that exact cache length. The eager
-        # (dynamic) path is host-bound: ~34 ms per step for both 1.5B and 7B, and a 1.5B call took
-        # 2.7 to 4.2 s on one idle machine (2026-11-30), so read its p20-p80.
+        # (dynamic) path is host-bound (the same step time at 1.5B and 7B) and its calls vary widely
+        # from one to the next, so read its p20-p80.
         for cache in ("dynamic", "static"):
             kwargs = {} if cache == "dynamic" else {"cache_implementation": "static"}
             try:
@@ -249,7 +249,7 @@ def deepspeed_zero3(ctx: Ctx, rest: bool = True) -> None:
 
         # DeepSpeed's throughput timer (on by default) synchronizes the device at every forward of the
         # engine's module, decode steps included: measured as shipped, then with it off. Off was not
-        # faster on 2026-11-30 (7B 7.33 vs 6.85 s per call), so the sync is not DeepSpeed's gap to HF.
+        # faster, so the sync is not DeepSpeed's gap to HF.
         for timer_sync in (True, False):
             engine.tput_timer.config.synchronized = timer_sync
             with ctx.peak() as pm:

@@ -2,15 +2,13 @@
 
     python -m bench.probe_sampler --out DIR
 
-`sampling.sample_partial_kernel` at the decode step's shapes (bf16 logits [B, 151936], temperature 1,
+`kernels.sampling.sample_partial_kernel` at the decode step's shapes (bf16 logits [B, 151936], temperature 1,
 unseeded rows, the launcher's split plan) against the same kernel on greedy rows (keys < 0: the two passes,
 exp and argmax, no noise): what the noise costs. Each timed in a CUDA graph (`common.graph_seconds`), 10
 launches back to back. Writes DIR/probe_sampler.json.
 
-H200, 2026-12-01 (bench/results/profiles/probe_sampler_s10call2.json): B = 128, 66 us sampled against 21 us
-greedy. That run also timed a variant that loaded [BLOCK / 4, 4] tiles and picked each column's Philox word
-with `tl.where` instead of `tl.join` + `tl.reshape`: same columns, no faster (69 us); removed (commit 57d3793
-has it).
+A variant that loaded [BLOCK / 4, 4] tiles and picked each column's Philox word with `tl.where` instead of
+`tl.join` + `tl.reshape` was no faster and is removed (commit 57d3793 has it; bench/README.md).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ VOCAB = 151936
 
 def main(argv=None) -> dict:
     from hybridengine.kernels.sampling import sample_partial_kernel
-    from hybridengine.rollout.sampler import fused_chunks, fused_splits
+    from hybridengine.ops.sample_fused import fused_chunks, fused_splits
 
     from .common import graph_seconds, quantiles
 

@@ -50,8 +50,9 @@ def category(name: str, cat: str) -> str:
 @contextlib.contextmanager
 def ranges(kinds: list[bool]):
     """record_function ranges around the engine's stages; `kinds` gets is_prefill of each schedule()."""
-    import hybridengine.engine as eng
+    import hybridengine.rollout.generator as loop
     from hybridengine.rollout.runner import ModelRunner
+    from hybridengine.rollout.sampler import Sampler
     from hybridengine.rollout.scheduler import Scheduler
 
     def wrap(fn, name, after=None):
@@ -66,8 +67,8 @@ def ranges(kinds: list[bool]):
 
     targets = [(Scheduler, "schedule", lambda b: kinds.append(b.is_prefill)), (ModelRunner, "_stage_decode", None),
                (ModelRunner, "_upload", None), (ModelRunner, "_decode_forward", None), (ModelRunner, "_prefill", None),
-               (eng, "sample", None), (eng, "_launch", None), (eng._Sampled, "wait", None),
-               (eng, "_append", None), (eng, "_reserve", None)]
+               (Sampler, "__call__", None), (loop, "_launch", None), (loop._Sampled, "wait", None),
+               (loop, "_append", None), (loop, "_reserve", None)]
     names = ["schedule", "prepare_inputs", "prepare_inputs", "forward", "prefill", "sample", "sample", "d2h",
              "bookkeeping", "bookkeeping"]
     if torch.cuda.is_available():
@@ -219,18 +220,18 @@ def main(argv=None) -> dict:
 
 def _time_kernel_configs(engine, ids, params, args) -> dict:
     """The unprofiled decode step with each paged-decode launch config (patched into
-    `hybridengine.ops.attention._decode_config` from outside; a rollout each, so its CUDA graphs capture
+    `hybridengine.ops.paged_attention._decode_config` from outside; a rollout each, so its CUDA graphs capture
     that config): the real decode's contexts, block layout and L2 state, which the kernel sweep's
     synthetic shapes only approximate."""
-    from hybridengine.ops import attention
+    from hybridengine.ops import paged_attention
 
-    original = attention._decode_config
+    original = paged_attention._decode_config
     results = []
     try:
         for spec in args.kernel_configs.split(","):
             n, w, s, dot, *prefetch = (int(x) for x in spec.split(":"))
             config = dict(BLOCK_N=n, num_warps=w, num_stages=s, DOT_16BIT=bool(dot), PREFETCH=bool(prefetch and prefetch[0]))
-            attention._decode_config = lambda device, head_dim, split=False, programs=None, config=config: dict(config)
+            paged_attention._decode_config = lambda device, head_dim, split=False, programs=None, config=config: dict(config)
             with engine.rollout():
                 engine.generate(ids, params)  # warm-up and capture
                 steps = []
@@ -240,7 +241,7 @@ def _time_kernel_configs(engine, ids, params, args) -> dict:
             results.append(dict(config=config, step_ms=min(steps), steps_ms=steps))
             print(f"{args.model} B={args.batch} {config}: decode step {min(steps):.3f} ms ({steps})")
     finally:
-        attention._decode_config = original
+        paged_attention._decode_config = original
     result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", kernel_configs=results)
     (args.out / "decode_kernel_configs.json").write_text(json.dumps(result, indent=1))

@@ -1,4 +1,4 @@
-"""The decode step's sampler: `sampling.sample_fused` (the Triton kernels) against `sampling.sample`
+"""The decode step's sampler: `ops.sample_fused` (the Triton kernels) against `rollout.sampler.sample`
 (torch: fp32 copy, softmax, exponential noise, divide, argmax, log_softmax, gather), on bf16 logits
 [B, V] with Qwen2's vocabulary, temperature 1, unseeded rows (the rollout's case). Floor: one read of
 the logits at the run's HBM copy bandwidth. A split sweep at B = 128 (case sweep) checks the plan.
@@ -15,7 +15,9 @@ BATCHES_GPU = (1, 16, 64, 128, 256)
 
 
 def sampler(ctx: Ctx) -> None:
-    from hybridengine.rollout.sampler import SamplingParams, fused_splits, sample, sample_fused
+    from hybridengine.ops.sample_fused import fused_splits, sample_fused
+    from hybridengine.rollout.sampler import sample
+    from hybridengine.rollout.sampling_params import SamplingParams
 
     if not ctx.cuda:
         ctx.rec.not_run("sampler", "hybridengine", None, "GPU only (the CPU runs the kernels in the interpreter)")

@@ -6,10 +6,12 @@ switch, checkpoints) and `ops` (one op per file, with its plain-torch reference)
 only module that knows both halves.
 """
 
-from hybridengine.engine import CompletionOutput, EngineConfig, HybridEngine, RequestOutput
+from hybridengine.config import EngineConfig
+from hybridengine.engine import HybridEngine
 from hybridengine.model import MODEL_CONFIGS, CausalLM, ModelConfig, RopeConfig, load_model, model_config
 from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
-from hybridengine.rollout.sampler import SamplingParams
+from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
+from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.sharding.buffer import FlatParamBuffer
 from hybridengine.sharding.layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
 from hybridengine.train.trainer import PPOBatch, PPOConfig, ValueConfig

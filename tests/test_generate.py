@@ -6,8 +6,10 @@ from transformers import AutoModelForCausalLM
 
 import hybridengine as he
 from hybridengine.rollout import sampler as sampling
-from hybridengine.rollout.sampler import SamplingParams, _to_device, sample, sample_ref
-from hybridengine.rollout.scheduler import BlockManager, Sequence
+from hybridengine.rollout.block_manager import BlockManager
+from hybridengine.rollout.sampler import _to_device, sample, sample_ref
+from hybridengine.rollout.sampling_params import SamplingParams
+from hybridengine.rollout.sequence import Sequence
 
 PROMPT_LENS = [3, 9, 17, 6]
 
@@ -195,6 +197,28 @@ def test_generate_outside_rollout_and_bad_params():
         he.EngineConfig(dtype=torch.float32, split_master=True)
     with pytest.raises(ValueError, match=r"tp_all_reduce must be one of \('auto', 'nccl', 'symm_mem'\), got 'ring'"):
         he.EngineConfig(tp_all_reduce="ring")
+    for kwargs, match in [(dict(max_tokens=2.5), "max_tokens"), (dict(n=True), "n must be"),
+                          (dict(temperature="hot"), "temperature"), (dict(top_p=float("nan")), "top_p"),
+                          (dict(seed="7"), "seed must be None or an int"), (dict(stop_token_ids=("a",)), "stop_token_ids")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kwargs)
+    for kwargs, match in [(dict(dtype=torch.int64), "dtype must be a floating torch.dtype"),
+                          (dict(device="gpu0"), "device must name a torch device"),
+                          (dict(max_model_len=64.0), "max_model_len must be a finite integer"),
+                          (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
+                          (dict(num_kv_blocks=0), "num_kv_blocks must be None or >= 1"),
+                          (dict(cuda_graphs=1), "cuda_graphs must be a bool"),
+                          (dict(split_master="yes"), "split_master must be None or a bool")]:
+        with pytest.raises(ValueError, match=match):
+            he.EngineConfig(**kwargs)
+    assert he.EngineConfig(device=torch.device("cpu")).device == "cpu"
+    with pytest.raises(ValueError, match="config must be an EngineConfig, got dict"):
+        he.HybridEngine(he.model_config("tiny-qwen2"), dict(device="cpu"))
+    with engine.rollout():
+        with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them, got dict"):
+            engine.generate([[1, 2]], dict(max_tokens=2))
+        with pytest.raises(ValueError, match="prompts must be a non-empty list"):
+            engine.generate("1 2")
 
 
 def test_tp_all_reduce_modes_on_cpu():
@@ -366,7 +390,8 @@ def test_decode_inputs_follow_forks_copy_on_write_preemption_and_finishes():
     at every step of a run with forks, copy-on-write, preemptions and sequences finishing mid-batch."""
     from types import SimpleNamespace
 
-    from hybridengine.rollout.runner import KVCache, ModelRunner
+    from hybridengine.rollout.kv_cache import KVCache
+    from hybridengine.rollout.runner import ModelRunner
     from hybridengine.rollout.scheduler import Scheduler
 
     bs, max_len = 4, 40
@@ -423,16 +448,16 @@ def test_profile_decode_times_kernel_configs_on_cpu(tmp_path):
     import json
 
     from bench import profile_decode
-    from hybridengine.ops import attention
+    from hybridengine.ops import paged_attention
 
-    original = attention._decode_config
+    original = paged_attention._decode_config
     profile_decode.main(["--model", "tiny-qwen2", "--batch", "2", "--prompt", "5", "--new-tokens", "3",
                          "--device", "cpu", "--kernel-configs", "32:4:2:1,64:8:1:0:1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "decode_kernel_configs.json").read_text())
     assert [r["config"]["BLOCK_N"] for r in result["kernel_configs"]] == [32, 64]
     assert [r["config"]["PREFETCH"] for r in result["kernel_configs"]] == [False, True]
     assert all(r["step_ms"] > 0 for r in result["kernel_configs"])
-    assert attention._decode_config is original
+    assert paged_attention._decode_config is original
 
 
 @pytest.mark.gpu
@@ -546,28 +571,16 @@ def test_cuda_kv_cache_is_capped_by_what_running_sequences_can_hold(monkeypatch)
     max_model_len can use (every block beyond that would be allocated and freed for nothing)."""
     import math
 
-    import hybridengine.engine as engine_module
-    from hybridengine.rollout.runner import KVCache
+    from hybridengine.rollout.kv_cache import KVCache, num_kv_blocks
 
     engine, _ = make_engine("tiny-qwen2")  # max_num_seqs=8, max_model_len=64, block_size=4
-    c = engine.config
+    c, m = engine.config, engine.model.config
     cap = c.max_num_seqs * math.ceil(c.max_model_len / c.block_size)
-    sizes = []
-
-    class FakeKV:
-        bytes_per_block = staticmethod(KVCache.bytes_per_block)
-
-        def __init__(self, *, num_blocks, **kwargs):
-            sizes.append(num_blocks)
-
-    monkeypatch.setattr(engine_module, "KVCache", FakeKV)
-    monkeypatch.setattr(engine, "device", torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     for free_gib, expect_cap in ((100, True), (None, False)):
         total = 141 * 2**30
         if free_gib is None:  # a budget of 40 blocks: below the cap, so it binds
-            m = engine.model.config
             per_block = KVCache.bytes_per_block(dtype=c.dtype, num_layers=m.num_hidden_layers, block_size=c.block_size,
                                                 num_kv_heads=m.num_key_value_heads, head_dim=m.head_dim)
             reserve = 2 * c.max_num_batched_tokens * max(m.hidden_size, m.intermediate_size) * 4 \
@@ -576,16 +589,18 @@ def test_cuda_kv_cache_is_capped_by_what_running_sequences_can_hold(monkeypatch)
         else:
             free = free_gib * 2**30
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, total))
-        engine._allocate_kv()
-        assert sizes[-1] == (cap if expect_cap else 40), (free_gib, sizes)
+        assert num_kv_blocks(c, m, torch.device("cuda", 0)) == (cap if expect_cap else 40), free_gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, total))
+    with pytest.raises(RuntimeError, match="does not hold one sequence of max_model_len=64"):
+        num_kv_blocks(c, m, torch.device("cuda", 0), rank=3)
 
 
 def test_async_decode_guards():
     """The async-decode guards: prev_tokens on a prefill, a placeholder id with no device ids, a sequence
     missing from the previous step's batch."""
-    from hybridengine.engine import _rows
-    from hybridengine.rollout.runner import Batch
-    from hybridengine.rollout.scheduler import PLACEHOLDER
+    from hybridengine.rollout.generator import _rows
+    from hybridengine.rollout.scheduler import Batch
+    from hybridengine.rollout.sequence import PLACEHOLDER
 
     engine, _ = make_engine("tiny-qwen2")
     with engine.rollout():

@@ -123,6 +123,39 @@ def test_split_forward_equals_forward():
         hidden = model.hidden_states(ids)
         assert hidden.shape == (3, 11, 64)
         assert torch.equal(model.compute_logits(hidden), model(ids))
+        assert model.vocab_shard is None and torch.equal(model.local_logits(hidden), model.compute_logits(hidden))
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-mistral"])
+def test_flat_layers_run_the_kernels_their_attention_declares(name):
+    """The layers on packed flat tokens equal the dense forward per sequence, with the kernels the attention
+    backend declares (Kernels.TORCH: the module code; Kernels.TRAIN: ops.fused's autograd ops, their torch
+    reference on CPU); a Kernels.ROLLOUT backend is chained by hidden_states_paged, not by the layers."""
+    from hybridengine.model.decoder import Kernels
+    from hybridengine.train.packed_attention import PackedAttention
+
+    model = load_model(he.model_config(name))
+    lens = [5, 9]
+    ids = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lens])
+    cu = [0, lens[0], sum(lens)]
+    outs = {}
+    for fused in (False, True):
+        attn = PackedAttention(cu, fused=fused)
+        assert attn.kernels is (Kernels.TRAIN if fused else Kernels.TORCH)
+        x = model.model.embed_tokens(ids)
+        cos, sin = model.rope(positions, x.dtype)
+        for i, layer in enumerate(model.model.layers):
+            x = layer(x, cos, sin, attn, i)
+        outs[fused] = model.model.norm(x)
+    with torch.no_grad():
+        for (s, e) in zip(cu[:-1], cu[1:]):
+            torch.testing.assert_close(outs[False][s:e].detach(), model.hidden_states(ids[None, s:e])[0],
+                                       rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-6)
+    rollout = type("RolloutAttention", (), {"kernels": Kernels.ROLLOUT})()
+    with pytest.raises(KeyError):
+        model.model.layers[0](x, cos, sin, rollout, 0)
 
 
 def test_backward_reaches_flat_buffer_params():

@@ -1,4 +1,4 @@
-"""The fused sampler (hybridengine.rollout.sampler.sample_fused, kernels/sampling.py) against its plain-torch
+"""The fused sampler (hybridengine.ops.sample_fused, kernels/sampling.py) against its plain-torch
 reference under the Triton interpreter (on CUDA: the kernel on the GPU), and the engine's use of it."""
 
 import math
@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 import hybridengine as he
-from hybridengine.rollout.sampler import SamplingParams, philox_ref, race_exp_ref, sample_fused, sample_fused_ref
+from hybridengine.ops.sample_fused import philox_ref, race_exp_ref, sample_fused, sample_fused_ref
+from hybridengine.rollout.sampling_params import SamplingParams
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 

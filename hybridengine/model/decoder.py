@@ -6,13 +6,22 @@ by name and `layout.param_specs` assigns TP roles. Every parameter is an `nn.Par
 a view of `CausalLM.flat_buffer`; sharding and resharding act on that buffer from outside, so
 this file never imports `torch.distributed`.
 
-The forward is split for later work: `hidden_states()` (positions may be given, for packed
-sequences), `compute_logits()` (a fused loss takes the hidden states instead), and the module-level
-`attention()` that a paged-attention decode path can replace.
+Three forward paths:
+- dense, HF-compatible: `forward` / `hidden_states` over [B, T] (eager module code, autograd);
+- rollout over the paged KV cache: `hidden_states_paged` with the runner's attention metadata,
+  whose `kernels` is `Kernels.ROLLOUT` (the inference kernels of hybridengine.ops.fused) on CUDA
+  and `Kernels.TORCH` (the module code) elsewhere;
+- training over packed sequences: the trainer calls each `DecoderLayer` on flat tokens with its
+  `PackedAttention`, whose `kernels` is `Kernels.TRAIN` (the autograd kernels) or `Kernels.TORCH`.
+The attention backend declares its kernels when it is built; the model reads nothing else from it
+but `attend`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +31,34 @@ from hybridengine.model.config import ModelConfig
 from hybridengine.ops import fused
 from hybridengine.sharding.buffer import FlatParamBuffer
 from hybridengine.sharding.layout import param_specs
+
+if TYPE_CHECKING:
+    from hybridengine.model.tensor_parallel import VocabShard
+
+
+class Kernels(Enum):
+    """The implementation of the flat-token forward, declared by the attention backend that runs it."""
+
+    TORCH = "torch"
+    """The module code in eager torch (autograd-safe; the dense forward's arithmetic)."""
+    ROLLOUT = "rollout"
+    """Inference (no autograd): the kernels of hybridengine.ops.fused, each residual add inside the
+    next norm's kernel, one GEMM for q/k/v and one for gate/up, RoPE inside the KV store."""
+    TRAIN = "train"
+    """Training: the autograd ops of hybridengine.ops.fused for the norms, RoPE and SiLU * up."""
+
+
+class FlatAttention(Protocol):
+    """Attention over flat tokens: the rollout's paged KV cache (`rollout.runner.AttentionMetadata`)
+    or training's packed sequences (`train.packed_attention.PackedAttention`)."""
+
+    @property
+    def kernels(self) -> Kernels: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. A `Kernels.ROLLOUT` backend also takes
+        `rope=(cos, sin)`: q and k not rotated yet, rotated in the KV store's kernel."""
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +76,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D]; cos/sin [B, T, D] (HF half-split layout, not interleaved pairs)."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def apply_rope_flat(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [N, Hq, D], k [N, Hkv, D]; cos/sin [N, D]: `apply_rope` on flat tokens."""
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -63,6 +106,25 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _FlatOps:
+    """The elementwise steps of a layer on flat tokens: rms_norm(x, norm module), rope(q, k, cos, sin),
+    silu_mul(gate, up)."""
+
+    rms_norm: Callable
+    rope: Callable
+    silu_mul: Callable
+
+
+_FLAT_OPS = {  # looked up in hybridengine.ops.fused at each call
+    Kernels.TORCH: _FlatOps(rms_norm=lambda x, norm: norm(x), rope=apply_rope_flat,
+                            silu_mul=lambda gate, up: F.silu(gate) * up),
+    Kernels.TRAIN: _FlatOps(rms_norm=lambda x, norm: fused.rms_norm_train(x, norm.weight, norm.eps),
+                            rope=lambda q, k, cos, sin: fused.rope_train(q, k, cos, sin),
+                            silu_mul=lambda gate, up: fused.silu_mul_train(gate, up)),
+}
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
@@ -97,34 +159,26 @@ class Attention(nn.Module):
         out = attention(q, k, v, self.sliding_window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
-    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
-        """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` stores K/V in the paged cache and attends.
-
-        With `attn.fused` (rollout) the q/k norms run as the kernels of hybridengine.ops.fused, q, k and v come
-        from one GEMM, and RoPE rides in the KV store's kernel (`attend(..., rope=(cos, sin))`). With
-        `attn.fused_train` (training, autograd) the norms and RoPE are the autograd ops of hybridengine.ops.fused."""
-        N = x.shape[0]
-        if getattr(attn, "fused", False):
-            q, k, v = self._qkv_one_gemm(x)
-            if self.q_norm is not None:
-                q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-                k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-            out = attn.attend(layer_idx, q, k, v, self.sliding_window, rope=(cos, sin))
-            return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
-        if getattr(attn, "fused_train", False):
-            q, k, v = self._qkv(x)
-            if self.q_norm is not None:
-                q = fused.rms_norm_train(q, self.q_norm.weight, self.q_norm.eps)
-                k = fused.rms_norm_train(k, self.k_norm.weight, self.k_norm.eps)
-            q, k = fused.rope_train(q, k, cos, sin)
-        else:
-            q, k, v = self._qkv(x)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-            q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+    def forward_flat(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: FlatAttention,
+                     layer_idx: int, ops: _FlatOps) -> torch.Tensor:
+        """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` attends (and stores K/V in a paged cache)."""
+        q, k, v = self._qkv(x)
+        if self.q_norm is not None:
+            q, k = ops.rms_norm(q, self.q_norm), ops.rms_norm(k, self.k_norm)
+        q, k = ops.rope(q, k, cos, sin)
         out = attn.attend(layer_idx, q, k, v, self.sliding_window)
-        return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def forward_rollout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: FlatAttention,
+                        layer_idx: int) -> torch.Tensor:
+        """`forward_flat` with `Kernels.ROLLOUT`: q, k and v from one GEMM, the q/k norms as the kernels of
+        hybridengine.ops.fused, RoPE inside the KV store's kernel (`attend(..., rope=(cos, sin))`)."""
+        q, k, v = self._qkv_one_gemm(x)
+        if self.q_norm is not None:
+            q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        out = attn.attend(layer_idx, q, k, v, self.sliding_window, rope=(cos, sin))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
     def _qkv(self, x: torch.Tensor):
         """q [N, Hq, D], k, v [N, Hkv, D] from the three projections."""
@@ -167,33 +221,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn=None, layer_idx: int = 0) -> torch.Tensor:
-        """Dense [B, T, H] without `attn`; flat tokens [N, H] through `attn` (paged cache or packed
-        sequences) with it (training calls this through torch.func.functional_call)."""
-        if attn is not None:
-            return self.forward_paged(x, cos, sin, attn, layer_idx)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: FlatAttention | None = None,
+                layer_idx: int = 0) -> torch.Tensor:
+        """Dense [B, T, H] without `attn`; flat tokens [N, H] through `attn` (its kernels: `Kernels.TORCH`
+        or `Kernels.TRAIN`) with it. The trainer calls this through torch.func.functional_call; the
+        rollout's `Kernels.ROLLOUT` layers are chained by `CausalLM.hidden_states_paged` (`forward_rollout`)."""
+        if attn is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        ops = _FLAT_OPS[attn.kernels]
+        x = x + self.self_attn.forward_flat(ops.rms_norm(x, self.input_layernorm), cos, sin, attn, layer_idx, ops)
+        h = ops.rms_norm(x, self.post_attention_layernorm)
+        return x + self.mlp.down_proj(ops.silu_mul(self.mlp.gate_proj(h), self.mlp.up_proj(h)))
 
-    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, layer_idx: int) -> torch.Tensor:
-        """Flat tokens through `attn`; with `attn.fused_train` the norms and SiLU * up run as the autograd
-        kernels of hybridengine.ops.fused (the rollout chains `forward_fused` from CausalLM.hidden_states_paged)."""
-        if getattr(attn, "fused_train", False):
-            norm1, norm2, mlp = self.input_layernorm, self.post_attention_layernorm, self.mlp
-            x = x + self.self_attn.forward_paged(fused.rms_norm_train(x, norm1.weight, norm1.eps), cos, sin, attn,
-                                                 layer_idx)
-            h = fused.rms_norm_train(x, norm2.weight, norm2.eps)
-            return x + mlp.down_proj(fused.silu_mul_train(mlp.gate_proj(h), mlp.up_proj(h)))
-        x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, attn, layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
-                      layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rollout layer on (normed input h, residual stream): returns (MLP output, residual after the
-        attention), whose sum is the layer's output. The caller adds them inside the next norm kernel
-        (`fused.rms_norm(mlp_out, w, eps, residual=...)`), so no layer spends a kernel on that add."""
+    def forward_rollout(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        attn: FlatAttention, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `Kernels.ROLLOUT` layer on (normed input h, residual stream): returns (MLP output, residual
+        after the attention), whose sum is the layer's output. The caller adds them inside the next norm
+        kernel (`fused.rms_norm(mlp_out, w, eps, residual=...)`), so no layer spends a kernel on that add."""
         norm2, mlp = self.post_attention_layernorm, self.mlp
-        a = self.self_attn.forward_paged(h, cos, sin, attn, layer_idx)
+        a = self.self_attn.forward_rollout(h, cos, sin, attn, layer_idx)
         h, residual = fused.rms_norm(a, norm2.weight, norm2.eps, residual=residual)
         gate_up = None if mlp.gate_proj.bias is not None else fused.stacked_rows(mlp.gate_proj.weight,
                                                                                  mlp.up_proj.weight)
@@ -239,7 +286,7 @@ class CausalLM(nn.Module):
         if buffer is None:
             buffer = FlatParamBuffer(specs, dtype=dtype, device=device)
         elif [(n, tuple(buffer.view(n).shape)) for n in buffer.names] != shapes:
-            # (a TP-sliced buffer matches the config of the local shapes: see tp.local_config)
+            # (a TP-sliced buffer matches the config of the local shapes: see tensor_parallel.local_config)
             raise ValueError("CausalLM: the given buffer's parameters (names, shapes, order) do not match "
                              f"this config's; expected {shapes}")
         self.flat_buffer = buffer
@@ -247,6 +294,9 @@ class CausalLM(nn.Module):
             owner, attr = name.rsplit(".", 1)
             setattr(self.get_submodule(owner), attr, nn.Parameter(buffer.view(name)))
         self.register_buffer("inv_freq", config.rope.inv_freq(config.head_dim).to(buffer.device), persistent=False)
+        self.vocab_shard: VocabShard | None = None
+        """Under tensor-parallel generation, this rank's slice of the vocabulary (set by
+        `tensor_parallel.parallelize`): the LM head's rows, and how to gather the logits."""
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -272,32 +322,39 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin)
         return self.model.norm(x)
 
-    def hidden_states_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """Generation forward over flat tokens: input_ids/positions [N] -> final-normed hidden [N, H].
+    def hidden_states_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: FlatAttention) -> torch.Tensor:
+        """The rollout's forward over flat tokens: input_ids/positions [N] -> final-normed hidden [N, H].
 
-        `attn` (the engine's attention metadata) owns the paged KV cache and the attention kernels;
-        the model only calls `attn.attend(layer_idx, q, k, v, sliding_window)`.
+        `attn` (the runner's attention metadata) owns the paged KV cache and the attention kernels and
+        declares the layers' kernels; the model only calls `attn.attend`.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        if getattr(attn, "fused", False):  # rollout: each residual add rides in the next norm's kernel
-            layers = self.model.layers
-            first = layers[0].input_layernorm if len(layers) else self.model.norm
-            h, residual = fused.rms_norm(x, first.weight, first.eps), x
+        layers = self.model.layers
+        if attn.kernels is not Kernels.ROLLOUT:
             for i, layer in enumerate(layers):
-                out, residual = layer.forward_fused(h, residual, cos, sin, attn, i)
-                norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                h, residual = fused.rms_norm(out, norm.weight, norm.eps, residual=residual)
-            return h
-        for i, layer in enumerate(self.model.layers):
-            x = layer.forward_paged(x, cos, sin, attn, i)
-        return self.model.norm(x)
+                x = layer(x, cos, sin, attn, i)
+            return self.model.norm(x)
+        # Each residual add rides in the next norm's kernel.
+        first = layers[0].input_layernorm if len(layers) else self.model.norm
+        h, residual = fused.rms_norm(x, first.weight, first.eps), x
+        for i, layer in enumerate(layers):
+            out, residual = layer.forward_rollout(h, residual, cos, sin, attn, i)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = fused.rms_norm(out, norm.weight, norm.eps, residual=residual)
+        return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V] in the model dtype (as HF)."""
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> this rank's logits [..., V] in the model dtype (as HF): under TP the
+        vocabulary slice of `vocab_shard` (the rollout samples from it), else all of it."""
         if self.config.value_head:
             raise RuntimeError("this model is a critic (value_head=True): it has no LM head; use compute_values")
         return F.linear(hidden, self.lm_head_weight)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] over the whole vocabulary (under TP gathered through `vocab_shard`)."""
+        logits = self.local_logits(hidden)
+        return logits if self.vocab_shard is None else self.vocab_shard.gather(logits)
 
     def compute_values(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> values [...] (critic models)."""

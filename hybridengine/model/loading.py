@@ -30,6 +30,23 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
+def hf_config_dict(source) -> dict | None:
+    """The transformers config of a source as a dict (what `export_hf` writes), or None for a ModelConfig
+    (or a folder transformers cannot read: `load_model` raises the real error)."""
+    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+    if isinstance(source, PreTrainedModel):
+        return source.config.to_dict()
+    if isinstance(source, PretrainedConfig):
+        return source.to_dict()
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        try:
+            return AutoConfig.from_pretrained(source, local_files_only=True).to_dict()
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 def load_model(source, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                seed: int = 0) -> CausalLM:
     """A `CausalLM` with `dtype` weights on `device`, every weight a view of `model.flat_buffer`.

@@ -4,17 +4,18 @@ The generation view of TP rank t holds, in G, slice t of every weight (layout.py
 split by output rows (whole heads), o/down by input columns, embedding and LM head by vocabulary
 rows (ceil(V / tg) per rank, zero-padded). A `CausalLM` built for the *local* shapes (heads / tg,
 intermediate / tg, vocab rows / tg) has exactly those parameter shapes, so its weights are plain
-views of G. What TP adds is three collectives over the TP group, attached here with hooks:
-all-reduce after the row-parallel o_proj and down_proj, a vocab-parallel embedding lookup
-(masked local lookup + all-reduce), and the vocab-sliced logits (`VocabShard`): the rollout samples
-from them vocab-parallel (`sampling.sample_fused(group=)`: each rank reduces its columns, the ranks
-exchange B x splits x 5 floats) and all-gathers the logits only for a step that truncates.
+views of G. What TP adds is three collectives over the TP group, which `parallelize` installs as
+modules and a declared field: `RowParallelLinear` (all-reduce after the row-parallel o_proj and
+down_proj), `VocabParallelEmbedding` (masked local lookup + all-reduce), and `CausalLM.vocab_shard`
+(`VocabShard`): the rollout samples from the vocab-sliced logits vocab-parallel
+(`ops.sample_fused(group=)`: each rank reduces its columns, the ranks exchange B x splits x 5
+floats) and all-gathers the logits only for a step that truncates.
 
-The all-reduces of a decode step are small ([batch, hidden], about 1-2 MB) and latency-bound, 57 of
-them per step for a 28-layer model. On CUDA they go, by default, through torch's symmetric memory
-(`SymmAllReduce`): the row-parallel GEMM writes its output straight into a buffer every TP rank has
-mapped, and `two_shot_all_reduce_out` reduces it over NVLink loads and stores (no NCCL proxy, no
-ring). Messages larger than the buffer (prefill) take NCCL.
+The all-reduces of a decode step are small ([batch, hidden]) and latency-bound, two per layer. On
+CUDA they go, by default, through torch's symmetric memory (`SymmAllReduce`): the row-parallel GEMM
+writes its output straight into a buffer every TP rank has mapped, and `two_shot_all_reduce_out`
+reduces it over NVLink loads and stores (no NCCL proxy, no ring). Messages larger than the buffer
+(prefill) take NCCL.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM
@@ -145,8 +147,8 @@ def make_all_reduce(mode: str, group, *, capacity: int, dtype: torch.dtype, devi
 @dataclasses.dataclass(frozen=True)
 class VocabShard:
     """A TP rank's slice of the vocabulary: LM-head rows [first, first + rows), the first `valid` of
-    them real (the rest zero padding). `local_logits(hidden)` gives this rank's logits [..., rows]; the
-    rollout samples from them vocab-parallel (`sampling.sample_fused(group=)`) and gathers the whole
+    them real (the rest zero padding). `CausalLM.local_logits` gives this rank's logits [..., rows];
+    the rollout samples from them vocab-parallel (`ops.sample_fused(group=)`) and gathers the whole
     vocabulary (`gather`) only for a step that truncates (top-k/top-p)."""
 
     first: int
@@ -155,7 +157,6 @@ class VocabShard:
     vocab_size: int
     group: object
     tp_size: int
-    local_logits: object
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
         """The vocab-sliced logits [..., rows] of every TP rank -> [..., vocab_size] (padding dropped)."""
@@ -165,33 +166,52 @@ class VocabShard:
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 
+class RowParallelLinear(nn.Module):
+    """A row-parallel linear without bias: x @ weight.T over this rank's input columns, summed over
+    the TP group. Holds the replaced nn.Linear's parameter itself (a view of the flat buffer)."""
+
+    def __init__(self, linear: nn.Linear, reduce: GroupAllReduce):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("RowParallelLinear: a bias would be added once per TP rank by the all-reduce")
+        self.weight = linear.weight
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce.linear(x, self.weight)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding over this rank's vocabulary rows [first, first + rows): ids outside them look up
+    zeros, and the all-reduce over the TP group sums in the rank that holds each id."""
+
+    def __init__(self, embedding: nn.Embedding, first: int, reduce: GroupAllReduce):
+        super().__init__()
+        self.weight = embedding.weight
+        self.first, self.rows = first, embedding.weight.shape[0]
+        self.reduce = reduce
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.first
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.reduce.all_reduce_(out)
+
+
 def parallelize(model: CausalLM, *, vocab_size: int, tp_rank: int, tp_size: int, group,
                 all_reduce: SymmAllReduce | None = None) -> CausalLM:
-    """Attach the TP collectives to a model built with `local_config` over its slice of G
-    (through `all_reduce` when given, else NCCL/gloo's dist.all_reduce)."""
+    """Install the TP collectives in a model built with `local_config` over its slice of G (through
+    `all_reduce` when given, else NCCL/gloo's dist.all_reduce): the row-parallel o_proj and down_proj,
+    the vocab-parallel embedding, and `model.vocab_shard`. Parameter names stay those of the model."""
     if tp_size == 1:
         return model
-
     reduce = all_reduce if all_reduce is not None else GroupAllReduce(group)
     for layer in model.model.layers:
-        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            linear.forward = lambda x, m=linear: reduce.linear(x, m.weight)
-
+        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, reduce)
+        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, reduce)
     rows = model.config.vocab_size  # local rows per rank (padded)
-    embed = model.model.embed_tokens
     first = tp_rank * rows
-
-    def vocab_parallel_embedding(input_ids: torch.Tensor) -> torch.Tensor:
-        local = input_ids - first
-        inside = (local >= 0) & (local < rows)
-        out = F.embedding(local.clamp(0, rows - 1), embed.weight) * inside.unsqueeze(-1).to(embed.weight.dtype)
-        return reduce.all_reduce_(out)
-
-    embed.forward = vocab_parallel_embedding
-    local_logits = model.compute_logits
-
-    shard = VocabShard(first=first, rows=rows, valid=max(0, min(rows, vocab_size - first)), vocab_size=vocab_size,
-                       group=group, tp_size=tp_size, local_logits=local_logits)
-    model.compute_logits = lambda hidden: shard.gather(local_logits(hidden))
-    model.vocab_shard = shard
+    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, first, reduce)
+    model.vocab_shard = VocabShard(first=first, rows=rows, valid=max(0, min(rows, vocab_size - first)),
+                                   vocab_size=vocab_size, group=group, tp_size=tp_size)
     return model

@@ -1,7 +1,7 @@
-"""The model runner of rollout: the paged KV cache, batch preparation, one model step, CUDA graphs.
+"""The model runner of rollout: batch preparation, one model step over the paged KV cache, CUDA graphs.
 
-Block bookkeeping stays in plain Python (scheduler.py); tensors appear only here, where a batch
-is turned into flat token ids, positions, slot mappings and block tables.
+Block bookkeeping stays in plain Python (scheduler.py, block_manager.py); tensors appear only here,
+where a batch is turned into flat token ids, positions, slot mappings and block tables.
 """
 
 from __future__ import annotations
@@ -13,36 +13,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridengine.model.decoder import Kernels
 from hybridengine.ops import attention as attn_ops
-from hybridengine.rollout.scheduler import PLACEHOLDER, Batch, Sequence
-
-
-class KVCache:
-    """One allocation [layers, 2, num_blocks, block_size, kv_heads, head_dim], per-layer views."""
-
-    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.data = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
-
-    @staticmethod
-    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: dst block := src block, in every layer, K and V."""
-        if copies:  # (a pageable copy with non_blocking=False would wait for the GPU)
-            src, dst = torch.tensor(copies).t().to(self.data.device, non_blocking=True)
-            self.data[:, :, dst] = self.data[:, :, src]
-
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+from hybridengine.rollout.kv_cache import KVCache
+from hybridengine.rollout.scheduler import Batch
+from hybridengine.rollout.sequence import PLACEHOLDER, Sequence
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """What every attention layer of one step needs; `attend` is what the model calls."""
+    """What every attention layer of one step needs; `attend` is what the model calls, and `kernels`
+    tells the model which layer implementation runs over the paged cache."""
 
     kv: KVCache
     is_prefill: bool
@@ -53,12 +34,17 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     fused: bool = False
-    """The model's paged forward uses the fused elementwise kernels (hybridengine.ops.fused): set on CUDA."""
+    """The layers run the rollout's fused kernels (`Kernels.ROLLOUT`, hybridengine.ops.fused; the runner
+    sets it on CUDA) instead of the module code (`Kernels.TORCH`)."""
+
+    @property
+    def kernels(self) -> Kernels:
+        return Kernels.ROLLOUT if self.fused else Kernels.TORCH
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Store this step's K/V in the cache and attend. `rope` = (cos, sin): q and k are not rotated yet;
-        the rotation and the store run as one kernel (`attention.rope_store_kv`)."""
+        """Store this step's K/V in the cache and attend. `rope` = (cos, sin) (`Kernels.ROLLOUT`): q and k
+        are not rotated yet; the rotation and the store run as one kernel (`attention.rope_store_kv`)."""
         k_cache, v_cache = self.kv.layers[layer]
         if rope is None:
             attn_ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
@@ -82,7 +68,7 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.max_blocks = math.ceil(max_model_len / self.block_size)
         self.scale = model.config.head_dim ** -0.5
-        self.fused = self.device.type == "cuda"  # the fused elementwise kernels (hybridengine.ops.fused) on GPU
+        self.fused = self.device.type == "cuda"  # the layers' kernels, chosen once: Kernels.ROLLOUT on GPU
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
         self.graph_capture_s = 0.0
         # Decode inputs are written on the host into one of two staging buffers (pinned on CUDA) and
@@ -127,13 +113,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: Batch, prev_tokens: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """Logits [len(batch.seqs), V] (the model dtype: the samplers read them in fp32, so an fp32 copy
-        per step, ~0.06 ms at B = 128 of a 152k vocabulary, is not made) of the last token of every
-        sequence of the batch; under TP, this rank's vocabulary slice [.., rows] (`tp.VocabShard`).
+        """Logits [len(batch.seqs), V] (the model dtype: the samplers read them in fp32, so no fp32 copy is
+        made per step) of the last token of every sequence of the batch; under TP, this rank's
+        vocabulary slice [.., rows] (`CausalLM.vocab_shard`).
 
         `prev_tokens` = (tokens, rows), decode only: the batch's input ids are still on the device,
         row i's is tokens[rows[i]] (rows None: tokens[i]); the sequences' last host token is then
-        PLACEHOLDER (the engine's async decode). The ids are copied into the step's inputs on the
+        PLACEHOLDER (the rollout loop's async decode). The ids are copied into the step's inputs on the
         stream, after the host-staged inputs, so the step waits for nothing on the host.
         """
         self.kv.copy_blocks(batch.block_copies)
@@ -177,7 +163,7 @@ class ModelRunner:
             self._host_views.clear()
         self._turn = (self._turn + 1) % len(self._staging)
         if self._staged:
-            self._staged[self._turn].synchronize()  # at once in generate(): each step already waited for its tokens
+            self._staged[self._turn].synchronize()  # at once in the rollout loop: each step already waited for its tokens
         return self._staging[self._turn][:numel]
 
     def _set_table_row(self, row: int, table: list[int]) -> None:
@@ -255,10 +241,9 @@ class ModelRunner:
         return self._logits(self.model.hidden_states_paged(inp["ids"], inp["positions"], meta))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head; under TP only this rank's vocabulary slice (`tp.VocabShard`): the engine samples
-        vocab-parallel or gathers."""
-        shard = getattr(self.model, "vocab_shard", None)
-        return self.model.compute_logits(hidden) if shard is None else shard.local_logits(hidden)
+        """The LM head; under TP only this rank's vocabulary slice (`CausalLM.vocab_shard`): the sampler
+        samples vocab-parallel or gathers."""
+        return self.model.local_logits(hidden)
 
     def _decode(self, seqs: list[Sequence], prev_tokens=None) -> torch.Tensor:
         B = len(seqs)

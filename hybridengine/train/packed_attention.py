@@ -7,6 +7,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from hybridengine.model.decoder import Kernels
+
 
 @functools.cache
 def _varlen_api():
@@ -22,7 +24,8 @@ def _varlen_api():
 
 
 class PackedAttention:
-    """Causal attention per sequence over packed tokens (the training path of `forward_paged`).
+    """Causal attention per sequence over packed tokens: the attention of the training path
+    (`DecoderLayer.forward` on flat tokens), which runs the layers with the kernels it declares.
 
     CUDA, bf16/fp16: one flash-attention varlen call over all sequences (torch's
     `torch.nn.attention.varlen.varlen_attn`, forward and backward), with the GQA heads expanded where
@@ -31,11 +34,25 @@ class PackedAttention:
 
     _varlen_failed: str | None = None
 
-    def __init__(self, cu_seqlens: list[int]):
+    def __init__(self, cu_seqlens: list[int], *, fused: bool = False):
         self.cu = cu_seqlens
         self._cu_device: torch.Tensor | None = None
-        self.fused_train = False
-        """The model's layers use the autograd Triton ops of hybridengine.ops.fused (EngineConfig.fused_training)."""
+        self.fused = fused
+        """The layers run the autograd Triton ops of hybridengine.ops.fused (`Kernels.TRAIN`,
+        EngineConfig.fused_training) instead of the module code (`Kernels.TORCH`)."""
+
+    @property
+    def kernels(self) -> Kernels:
+        return Kernels.TRAIN if self.fused else Kernels.TORCH
+
+    @property
+    def fused_train(self) -> bool:
+        """`fused` under the name the trainer sets after construction; pass `fused=` instead."""
+        return self.fused
+
+    @fused_train.setter
+    def fused_train(self, value: bool) -> None:
+        self.fused = value
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None) -> torch.Tensor:

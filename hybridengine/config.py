@@ -1,0 +1,127 @@
+"""The engine's configuration: how it holds the model, runs rollout and trains."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hybridengine import checks
+from hybridengine.model.tensor_parallel import TP_ALL_REDUCE
+
+SAMPLERS = ("auto", "fused", "torch")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """How the engine holds the model, runs rollout and trains; validated on construction."""
+
+    dtype: torch.dtype = torch.bfloat16
+    """Parameter, activation and KV cache dtype."""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """Under torchrun on GPUs, each rank uses cuda:LOCAL_RANK."""
+    tp_generation: int = 1
+    """Tensor-parallel degree of generation; divides the world size."""
+    tp_all_reduce: str = "auto"
+    """How TP generation (tp_generation > 1) all-reduces: 'symm_mem' (torch symmetric memory over
+    NVLink, `SymmAllReduce`; messages up to max(max_num_seqs, 512) x hidden, larger ones NCCL),
+    'nccl' (dist.all_reduce), or 'auto' (symm_mem on CUDA when it sets up, with a warning when it does
+    not; the process group's all_reduce elsewhere)."""
+    block_size: int = 16
+    """Tokens per KV cache block (a power of 2)."""
+    max_model_len: int = 4096
+    """Longest prompt + completion."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use; the KV cache gets what parameters leave, up to
+    what it can ever hold in use: max_num_seqs sequences of max_model_len (more would only be freed
+    again at the rollout's exit)."""
+    num_kv_blocks: int | None = None
+    """An explicit KV cache size in blocks (overrides gpu_memory_utilization; the default on CPU is
+    enough for max_num_seqs sequences of max_model_len)."""
+    max_num_seqs: int = 256
+    """Most sequences decoded in one step."""
+    max_num_batched_tokens: int = 16384
+    """Most prompt tokens in one prefill step (a longer prompt runs alone)."""
+    cuda_graphs: bool = True
+    """Replay each decode batch bucket's step as a CUDA graph (CUDA only)."""
+    lazy_cuda_graphs: bool = True
+    """Capture each decode batch bucket's CUDA graph at its first decode step (True) instead of all
+    buckets at rollout entry (False): a rollout whose batch never shrinks captures one graph, so the
+    rollout's set-up is nearly free and generation runs as fast."""
+    async_scheduling: bool = True
+    """Schedule and launch each decode step before the previous step's tokens reach the host: the
+    step's input ids are copied from the previous step's sampled tokens on the device, and the host
+    reads step t's tokens and does its bookkeeping while step t + 1 runs, so the GPU does not idle
+    between steps (vLLM's async scheduling). A sequence that emits a stop token runs one void step
+    more (its row is dropped). Steps before a prefill or a preemption run synchronously. Outputs are
+    the same either way."""
+    fused_training: bool = True
+    """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
+    `hybridengine.ops.fused` instead of eager torch: fewer kernels and fewer saved tensors, so a faster
+    step and a lower peak. Ignored on CPU (eager torch there)."""
+    split_master: bool | None = None
+    """bf16: keep AdamW's fp32 master weights as the bf16 weights (their high half, rounded to nearest,
+    ties away from zero) plus an int16 low half: the same fp32 master, exactly, in 2 bytes per parameter
+    instead of 4, at the same speed. None (default): on for bf16, off otherwise (resolved at
+    construction)."""
+    keep_grads: bool = False
+    """Keep the fp32 gradient shards (4 bytes a parameter on each rank's shard) after `ppo_step` /
+    `value_step`, for inspection; by default each step allocates them as its reduce-scatters arrive and
+    frees them after the optimizer update (FSDP's `zero_grad(set_to_none=True)`), so the forward's
+    activations (checkpointing off) never stack on them."""
+    seed: int = 0
+    """Seed of random initialisation (when the source is a config) and of unseeded sampling."""
+    sampler: str = "auto"
+    """'fused': a step whose requests all sample without top-k/top-p draws its tokens and log-probs in
+    one Triton pass over the logits (`hybridengine.ops.sample_fused`, Philox noise in the kernel);
+    'torch': always `rollout.sampler.sample` (torch's generators); 'auto': fused on CUDA, torch
+    elsewhere. A step with any truncating request takes `sample` for those rows. The samplers draw
+    different random streams: a seeded request is reproducible within one sampler (independent of
+    batch composition and preemption in both), not across them. Greedy rows give the same tokens in
+    both."""
+
+    def __post_init__(self):
+        op = "EngineConfig"
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"EngineConfig.dtype must be a floating torch.dtype, got {checks.describe(self.dtype)}")
+        if isinstance(self.device, torch.device):
+            self.device = str(self.device)
+        try:
+            device_type = torch.device(self.device).type
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"EngineConfig.device must name a torch device, got {checks.describe(self.device)}") from e
+        for name in ("tp_generation", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed"):
+            checks.number(op, name, getattr(self, name), integer=True)
+        if self.tp_generation < 1:
+            raise ValueError(f"EngineConfig.tp_generation must be >= 1, got {self.tp_generation}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"EngineConfig.sampler must be 'auto', 'fused' or 'torch', got {self.sampler!r}")
+        if self.sampler == "fused" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"EngineConfig.sampler='fused' on device {self.device!r} needs CUDA or TRITON_INTERPRET=1 "
+                             "(the fused sampler is a Triton kernel)")
+        if self.tp_all_reduce not in TP_ALL_REDUCE:
+            raise ValueError(f"EngineConfig.tp_all_reduce must be one of {TP_ALL_REDUCE}, got {self.tp_all_reduce!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"EngineConfig.block_size must be a power of 2, got {self.block_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        checks.number(op, "gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None:
+            checks.number(op, "num_kv_blocks", self.num_kv_blocks, integer=True)
+            if self.num_kv_blocks < 1:
+                raise ValueError(f"EngineConfig.num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("EngineConfig.max_num_seqs and max_num_batched_tokens must be >= 1")
+        for name in ("cuda_graphs", "lazy_cuda_graphs", "async_scheduling", "fused_training", "keep_grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {checks.describe(getattr(self, name))}")
+        if self.split_master is None:
+            self.split_master = self.dtype == torch.bfloat16
+        if not isinstance(self.split_master, bool):
+            raise ValueError(f"EngineConfig.split_master must be None or a bool, got {checks.describe(self.split_master)}")
+        if self.split_master and self.dtype != torch.bfloat16:
+            raise ValueError(f"EngineConfig.split_master=True needs dtype=torch.bfloat16 (the master's high half), "
+                             f"got {self.dtype}")
