@@ -80,7 +80,7 @@ def step_hybridengine(x: dict, chunk_rows: int | None = None):
         loss, _ = P.ppo_loss(x["hidden"], x["weight"], x["targets"], x["old"], x["adv"], x["mask"],
                              ref_logprobs=x["ref"], **LOSS)
     else:  # the same path with a forced chunk size (inputs validated once, outside the timing)
-        cfg = P._LossConfig(**{k: v for k, v in LOSS.items()})
+        cfg = P.LossConfig(**{k: v for k, v in LOSS.items()})
         mask_bool, num = P._check_policy(BENCH, x["hidden"], x["weight"], None, x["targets"], x["old"], x["adv"],
                                          x["mask"], x["ref"], 1.0, cfg)
         loss, _ = P._ppo_loss_fused(x["hidden"], x["weight"], x["targets"], x["old"], x["adv"], mask_bool, num,
@@ -100,7 +100,7 @@ def _sequence_loss(hidden, weight, targets, old, adv, ref, weights):
     """One sequence's share of the token-mean loss, from its full [T, V] logits (checkpointed)."""
     P = _module()
     logp, _ = P._logprobs_ref(hidden, weight, targets, None, 1.0)
-    terms = P._policy_terms(logp, old, adv, ref, P._LossConfig(**LOSS))
+    terms = P._policy_terms(logp, old, adv, ref, P.LossConfig(**LOSS))
     return (weights * (terms["pg"] + LOSS["kl_coef"] * terms["kl"])).sum()
 
 

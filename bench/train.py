@@ -23,7 +23,7 @@ def train_step(ctx: Ctx) -> None:
     for model in ctx.models:
         cfg = he.model_config(model)
         engine = he.HybridEngine(cfg, he.EngineConfig(dtype=torch.bfloat16, device=str(ctx.device)))
-        trainer = engine._trainer()
+        trainer = engine.trainer
         g = torch.Generator().manual_seed(100 + ctx.rank)
         layouts = {"dense": [w.train_seq] * w.train_batch,
                    "packed": [tokens // 8, tokens * 3 // 8, tokens // 4, tokens // 4]}
@@ -54,9 +54,9 @@ def train_step(ctx: Ctx) -> None:
             trainer.fused = not trainer.fused
             # ... and the other EngineConfig.split_master setting (fp32 or split AdamW masters): a new
             # optimizer over the same weights.
-            trainer._optimizer, trainer.split_master = None, not engine.config.split_master
+            trainer.reset_optimizer(split_master=not engine.config.split_master)
             release_memory()
             run(batch, name, "train_step, other split_master")
-            trainer._optimizer, trainer.split_master = None, engine.config.split_master
+            trainer.reset_optimizer(split_master=engine.config.split_master)
             release_memory()
         del engine, trainer

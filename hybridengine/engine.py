@@ -101,33 +101,55 @@ class HybridEngine:
 
     def save(self, path) -> None:
         """Sharded state (weights, optimizer, step, RNG, config) to a folder, atomically; every rank calls it."""
-        from hybridengine.sharding.checkpoint import save
+        from hybridengine.sharding import checkpoint
 
-        save(self, path)
+        trainer = self._training
+        optimizer = trainer.optimizer if trainer is not None and trainer.has_optimizer else None
+        engine_config = {k: (checkpoint.dtype_name(v) if isinstance(v, torch.dtype) else v)
+                         for k, v in dataclasses.asdict(self.config).items()}
+        checkpoint.save(path, self.sharded, optimizer, engine_meta=dict(
+            role=self.role, model_config=dataclasses.asdict(self.model_config), hf_config=self.hf_config,
+            engine_config=engine_config))
 
     @classmethod
     def load(cls, path, config: EngineConfig | None = None) -> "HybridEngine":
-        """An engine restored from `save`, at this process's world size (and `config`'s TP degree)."""
-        from hybridengine.sharding.checkpoint import load
+        """An engine restored from `save`, at this process's world size (and `config`'s TP degree).
+        Without `config`, the saved one: on its device type (a saved CUDA device becomes this
+        process's GPU)."""
+        from hybridengine.sharding import checkpoint
 
-        return load(path, config=config)
+        meta = checkpoint.read_meta(path)
+        if config is None:
+            saved = dict(meta.engine_config)
+            if torch.device(saved.get("device", "cuda")).type == "cuda":
+                saved.pop("device", None)  # EngineConfig's default: this process's GPU, not the saver's
+            config = EngineConfig(**saved)
+        engine = cls(meta.model_config, config, role=meta.role)
+        engine.hf_config = meta.hf_config
+        checkpoint.restore_(meta, engine.sharded, optimizer=lambda: engine._trainer().optimizer)
+        return engine
 
     def export_hf(self, path) -> None:
         """config.json + model.safetensors for transformers' from_pretrained (rank 0 writes)."""
-        from hybridengine.sharding.checkpoint import export_hf
+        from hybridengine.sharding import checkpoint
 
-        export_hf(self, path)
+        if self.role != "actor":
+            raise ValueError("export_hf: only an actor (causal LM) exports to a transformers checkpoint")
+        if self.hf_config is None:
+            raise ValueError("export_hf: the engine was built from a ModelConfig, not a transformers config, model or "
+                             "checkpoint, so there is no config.json to write")
+        checkpoint.export_hf(path, self.sharded, hf_config=self.hf_config, dtype=self.config.dtype)
 
     def memory_report(self) -> dict[str, float]:
         """GiB on this rank: parameters (G mapped), optimizer state, gradients, KV cache; torch and NVML totals."""
         gib = 2**30
         rep = dict(parameters_mapped=self.sharded.gen.mapped_bytes() / gib,
                    parameters_shard=self.sharded.layout.shard_numel * self.sharded.layout.element_size / gib)
-        opt = self._training._optimizer if self._training is not None else None
-        grads = self._training._grads if self._training is not None else None
-        tensors = [] if opt is None else opt.exp_avg + opt.exp_avg_sq + (opt.master or []) + (opt.master_lo or [])
+        trainer = self._training
+        tensors = trainer.optimizer.state_tensors() if trainer is not None and trainer.has_optimizer else []
+        grads = trainer.held_gradients if trainer is not None else []
         rep["optimizer"] = sum(t.numel() * t.element_size() for t in tensors) / gib  # 0 before the first step
-        rep["gradients"] = sum(g.numel() * g.element_size() for g in grads or [] if g is not None) / gib
+        rep["gradients"] = sum(g.numel() * g.element_size() for g in grads) / gib
         rep["kv_cache"] = self._runner.kv.nbytes() / gib if self._runner is not None else 0.0
         if self.device.type == "cuda":
             rep["torch_allocated"] = torch.cuda.memory_allocated(self.device) / gib
@@ -143,6 +165,12 @@ class HybridEngine:
         return rep
 
     # -- training -------------------------------------------------------------------------------------
+
+    @property
+    def trainer(self):
+        """The `Trainer` of this engine: its optimizer and gradient shards (created on first use; not
+        inside rollout())."""
+        return self._trainer()
 
     def _trainer(self, cfg=None):
         from hybridengine.train.trainer import Trainer
@@ -164,7 +192,7 @@ class HybridEngine:
         return self._trainer().values(batch)
 
     def value_step(self, batch, config=None) -> dict:
-        """Critic: one optimizer step with `he.value_loss` (batch.old_values, batch.returns, response_mask)."""
+        """Critic: one optimizer step with `value_loss` (batch.old_values, batch.returns, response_mask)."""
         from hybridengine.train.trainer import ValueConfig
 
         config = config if config is not None else ValueConfig()

@@ -41,7 +41,7 @@ CFG = he.PPOConfig(lr=1e-3, micro_batch_tokens=20, weight_decay=0.01)
 
 def natural_optimizer_state(engine, key):
     """Per unit, the natural-layout optimizer state `key`, gathered from every rank."""
-    shards = [t.detach().cpu() for t in engine._training.optimizer.state_dict()[key]]
+    shards = [t.detach().cpu() for t in engine.trainer.optimizer.state_dict()[key]]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, shards)
@@ -62,9 +62,9 @@ def test_resume_is_bitwise_identical(tmp_path):
     resumed = he.HybridEngine.load(tmp_path / "ck")
     for step in range(2, 4):
         resumed.ppo_step(batch(step), CFG)
-    for name, w in full_state_dict(straight).items():
-        assert torch.equal(w, full_state_dict(resumed)[name]), name
-    assert resumed._training.optimizer.num_steps == 4
+    for name, w in full_state_dict(straight.sharded).items():
+        assert torch.equal(w, full_state_dict(resumed.sharded)[name]), name
+    assert resumed.trainer.optimizer.num_steps == 4
     with resumed.rollout():  # generation works on the restored weights
         out = resumed.generate([[1, 2, 3]], he.SamplingParams(max_tokens=3, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 3
@@ -74,7 +74,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     engine = engine_for(build())
     engine.ppo_step(batch(0), CFG)
     engine.save(tmp_path / "ck")
-    before = full_state_dict(he.HybridEngine.load(tmp_path / "ck"))
+    before = full_state_dict(he.HybridEngine.load(tmp_path / "ck").sharded)
     engine.ppo_step(batch(1), CFG)
 
     def crash(*args, **kwargs):
@@ -83,12 +83,12 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.torch, "save", crash)
     with pytest.raises(OSError, match="simulated"):
         engine.save(tmp_path / "ck")
-    after = full_state_dict(he.HybridEngine.load(tmp_path / "ck"))
+    after = full_state_dict(he.HybridEngine.load(tmp_path / "ck").sharded)
     assert all(torch.equal(before[k], after[k]) for k in before)
     monkeypatch.undo()
     engine.save(tmp_path / "ck")  # the stale temporary folder of the crash is cleaned up
     assert not (tmp_path / ".ck.tmp").exists()
-    now = full_state_dict(he.HybridEngine.load(tmp_path / "ck"))
+    now = full_state_dict(he.HybridEngine.load(tmp_path / "ck").sharded)
     assert any(not torch.equal(before[k], now[k]) for k in before)
 
 
@@ -100,7 +100,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, name):
     engine.export_hf(tmp_path / "hf")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     reference = build(name)
-    reference.load_state_dict(full_state_dict(engine), strict=False)
+    reference.load_state_dict(full_state_dict(engine.sharded), strict=False)
     ids = torch.randint(0, hf.config.vocab_size, (2, 11))
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, reference(ids).logits)
@@ -126,14 +126,14 @@ def _save_at(rank, world, init_file, tp, path, errors):
         for step in range(2):
             engine.ppo_step(batch(step, rank), CFG)
         engine.save(path)
-        weights = full_state_dict(engine)
+        weights = full_state_dict(engine.sharded)
         state = {k: natural_optimizer_state(engine, k) for k in ("exp_avg", "exp_avg_sq")}
         if rank == 0:
             torch.save(dict(weights=weights, state=state), os.path.join(os.path.dirname(path), "expected.pt"))
 
 
 def _check_load(engine, expected):
-    got = full_state_dict(engine)
+    got = full_state_dict(engine.sharded)
     for k, w in expected["weights"].items():
         assert torch.equal(got[k], w), k
     for key, naturals in expected["state"].items():
@@ -178,14 +178,14 @@ def test_checkpoint_in_the_old_parameter_order_loads(tmp_path, monkeypatch):
     old.ppo_step(batch(0), CFG)
     names = [s.name for s in old.sharded.layout.specs]
     assert names.index("model.layers.0.self_attn.q_proj.bias") < names.index("model.layers.0.self_attn.k_proj.weight")
-    weights = full_state_dict(old)
+    weights = full_state_dict(old.sharded)
     state = {key: [t.clone() for t in natural_optimizer_state(old, key)] for key in ("exp_avg", "exp_avg_sq")}
     old.save(tmp_path / "old")
     monkeypatch.undo()
     loaded = he.HybridEngine.load(tmp_path / "old")
     names = [s.name for s in loaded.sharded.layout.specs]
     assert names.index("model.layers.0.self_attn.k_proj.weight") < names.index("model.layers.0.self_attn.q_proj.bias")
-    got = full_state_dict(loaded)
+    got = full_state_dict(loaded.sharded)
     for name, w in weights.items():
         assert torch.equal(got[name], w), name
     by_name = {}
@@ -229,7 +229,7 @@ def test_split_master_engine_trains_like_fp32_master_and_resumes_bitwise(tmp_pat
     for step in range(3):
         a, b = full.ppo_step(batch(step), CFG), split.ppo_step(batch(step), CFG)
         assert abs(a["loss"] - b["loss"]) <= 1e-2 * max(1.0, abs(a["loss"])), (step, a["loss"], b["loss"])
-    opt_full, opt_split = full._training.optimizer, split._training.optimizer
+    opt_full, opt_split = full.trainer.optimizer, split.trainer.optimizer
     assert opt_split.master is None and opt_split.master_lo is not None
     for m_full, m_split in zip(opt_full.master, opt_split.masters()):
         torch.testing.assert_close(m_split, m_full, rtol=2**-7, atol=1e-6)
@@ -250,5 +250,5 @@ def test_split_master_engine_trains_like_fp32_master_and_resumes_bitwise(tmp_pat
         resumed.ppo_step(batch(step), CFG)
     for a, b in zip(resumed.sharded.shard_views(), straight.sharded.shard_views()):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    for a, b in zip(resumed._training.optimizer.master_lo, straight._training.optimizer.master_lo):
+    for a, b in zip(resumed.trainer.optimizer.master_lo, straight.trainer.optimizer.master_lo):
         assert torch.equal(a, b)

@@ -83,7 +83,7 @@ def run_policy(fn, batch, dtype=None, **loss_kw):
 def fused_policy(hidden, weight, targets, old, adv, mask, *, bias=None, temperature=1.0, ref_logprobs=None,
                  chunk_rows=CHUNK, **cfg_kw):
     """The Triton path, forced on CPU (the public op dispatches CPU tensors to the reference)."""
-    cfg = P._LossConfig(**cfg_kw)
+    cfg = P.LossConfig(**cfg_kw)
     mask_bool, num_tokens = P._check_policy("test", hidden, weight, bias, targets, old, adv, mask, ref_logprobs,
                                             temperature, cfg)
     return P._ppo_loss_fused(hidden, weight, targets, old, adv, mask_bool, num_tokens, bias=bias,
@@ -230,7 +230,7 @@ def test_grad_coefficients_match_autograd(estimator, loss_agg, clip_ratio_c):
     mask = torch.rand(B, T) > 0.2
     mask[3] = False
     old[3] = float("nan")  # masked-out garbage must not leak
-    cfg = P._LossConfig(clip_ratio_c=clip_ratio_c, kl_coef=0.7, kl_estimator=estimator, entropy_coef=0.0,
+    cfg = P.LossConfig(clip_ratio_c=clip_ratio_c, kl_coef=0.7, kl_estimator=estimator, entropy_coef=0.0,
                         loss_agg=loss_agg)
     lp = logp.clone().requires_grad_()
     loss, _ = P._policy_loss(lp, torch.zeros_like(lp), old, adv, mask, ref, cfg)

@@ -63,17 +63,17 @@ def make_batches(hf, world, steps=STEPS, seqs_per_rank=3, seed=7):
     return out
 
 
-def pad(rows, width):
-    out = torch.zeros(len(rows), width)
+def pad(rows, width, dtype=torch.float32):
+    out = torch.zeros(len(rows), width, dtype=dtype)
     for i, r in enumerate(rows):
         out[i, :len(r)] = r
     return out
 
 
-def reference_run(hf, batches, first_grads: dict | None = None):
-    """Plain torch: per-rank loss over full logits, mean over ranks, clip, torch AdamW. `first_grads`
-    (a dict) receives the unclipped gradients of the first step."""
-    model = copy.deepcopy(hf).train()
+def reference_run(hf, batches, first_grads: dict | None = None, dtype=torch.float32):
+    """Plain torch: per-rank loss over full logits, mean over ranks, clip, torch AdamW, in `dtype`.
+    `first_grads` (a dict) receives the unclipped gradients of the first step."""
+    model = copy.deepcopy(hf).to(dtype).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=CFG["weight_decay"]),
@@ -84,7 +84,6 @@ def reference_run(hf, batches, first_grads: dict | None = None):
         total = 0.0
         for b in per_rank:
             width = max(len(s) for s in b["input_ids"]) - 1
-            hidden = torch.zeros(len(b["input_ids"]), width, hf.config.hidden_size)
             targets = torch.zeros(len(b["input_ids"]), width, dtype=torch.long)
             hs = []
             for i, seq in enumerate(b["input_ids"]):
@@ -93,10 +92,10 @@ def reference_run(hf, batches, first_grads: dict | None = None):
                 targets[i, :len(seq) - 1] = seq[1:]
             hidden = torch.nn.utils.rnn.pad_sequence(hs, batch_first=True)
             loss, _ = P.ppo_loss_ref(hidden, model.lm_head.weight, targets,
-                                     pad(b["old_logprobs"], width), pad(b["advantages"], width),
-                                     pad(b["response_mask"], width), temperature=CFG["temperature"],
+                                     pad(b["old_logprobs"], width, dtype), pad(b["advantages"], width, dtype),
+                                     pad(b["response_mask"], width, dtype), temperature=CFG["temperature"],
                                      clip_low=CFG["clip_low"], clip_high=CFG["clip_high"],
-                                     ref_logprobs=pad(b["ref_logprobs"], width), kl_coef=CFG["kl_coef"],
+                                     ref_logprobs=pad(b["ref_logprobs"], width, dtype), kl_coef=CFG["kl_coef"],
                                      entropy_coef=CFG["entropy_coef"], loss_agg=CFG["loss_agg"])
             (loss / len(per_rank)).backward()
             total += float(loss.detach()) / len(per_rank)
@@ -135,28 +134,53 @@ def full_weights(engine):
     return out
 
 
-def weight_atol(name):
-    """Adam moves each weight by at most ~lr per step whatever the gradient's size, so a gradient
-    that differs only by summation order (ranks, micro-batches) changes the update by a relative
-    amount that matters only where |g| is near eps: allow 1e-3 of the total displacement lr * steps.
-    The k_proj bias has an exactly zero gradient (softmax is shift-invariant along the keys): both
-    sides move it by Adam-normalised rounding noise, up to the whole lr * steps."""
-    return CFG["lr"] * STEPS * (1.0 if name.endswith("k_proj.bias") else 1e-3)
+U32 = 2.0**-24
 
 
-def compare(losses, weights, ref_losses, ref_weights):
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+def reference(hf, batches):
+    """(fp32 reference losses, fp64 reference weights, tolerance per parameter).
+
+    The fp64 run is the exact training up to negligible rounding. An fp32 implementation that sums in
+    another order (ranks, micro-batches, packed sequences, the machine's GEMM kernels) lands some
+    distance from it; torch's own fp32 run shows how far: the engine may be twice as far, plus one
+    rounding of the weight. The distance is not a constant: Adam turns a gradient's relative error
+    into an update error of the same relative size, so elements whose gradient nearly cancels carry
+    most of it (up to lr per step), and which elements those are depends on the data and the
+    machine; a bound measured in the same run follows them. The k_proj bias has an exactly zero
+    gradient (softmax is shift-invariant along the keys): fp32 runs move it by Adam-normalised
+    rounding noise, which the fp64 run does not have, so its bound is Adam's step bound lr * steps."""
+    losses, w32 = reference_run(hf, batches)
+    _, w64 = reference_run(hf, batches, dtype=torch.float64)
+    tolerance = {}
+    for name, w in w64.items():
+        if name.endswith("k_proj.bias"):
+            tolerance[name] = CFG["lr"] * STEPS
+        else:
+            tolerance[name] = 2 * float((w32[name].double() - w).abs().max()) + U32 * float(w.abs().max())
+    return losses, w64, tolerance
+
+
+def assert_weight_close(name, got, ref):
+    """max |got - fp64 reference| within the parameter's tolerance (`reference`)."""
+    _, weights, tolerance = ref
+    err = float((got.double() - weights[name]).abs().max())
+    assert err <= tolerance[name], (f"{name}: max |engine - fp64 reference| = {err:.3g} > {tolerance[name]:.3g} "
+                                    f"(twice torch fp32's distance from fp64, plus a rounding)")
+
+
+def compare(losses, weights, ref):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=1e-5, atol=1e-6)
     for name, w in weights.items():
-        torch.testing.assert_close(w, ref_weights[name], rtol=1e-5, atol=weight_atol(name), msg=lambda m: f"{name}: {m}")
+        assert_weight_close(name, w, ref)
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_single_process_matches_torch_reference(checkpointing):
     hf = build()
     batches = make_batches(hf, 1)
-    ref_losses, ref_weights = reference_run(hf, batches)
+    ref = reference(hf, batches)
     engine, losses = engine_run(hf, batches, 0, 1, checkpointing)
-    compare(losses, full_weights(engine), ref_losses, ref_weights)
+    compare(losses, full_weights(engine), ref)
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
@@ -178,7 +202,7 @@ def test_fused_training_kernels_match_torch_reference(monkeypatch, checkpointing
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         # The gradients themselves (N = 1: each unit's shard is its natural layout), before Adam, which
         # would amplify fp32-formula differences where a gradient is near eps.
-        sh, grads = engine.sharded, engine._training.grads
+        sh, grads = engine.sharded, engine.trainer.grads
         for u, unit in enumerate(sh.layout.units):
             for spec in unit.params:
                 got = sh.natural_view(grads[u], spec.name)
@@ -192,12 +216,12 @@ def test_gradients_freed_after_step_unless_kept():
     hf = build()
     batches = make_batches(hf, 1, steps=2)
     freed, losses_freed = engine_run(hf, batches, 0, 1)
-    assert freed._training._grads is None
+    assert freed.trainer.held_gradients == []
     assert freed.memory_report()["gradients"] == 0.0
     kept, losses_kept = engine_run(hf, batches, 0, 1, keep_grads=True)
     assert losses_kept == losses_freed
-    grads = kept._training._grads
-    assert grads is not None and all(g is not None and g.abs().sum() > 0 for g in grads)
+    grads = kept.trainer.held_gradients
+    assert len(grads) == len(kept.sharded.layout.units) and all(g.abs().sum() > 0 for g in grads)
     report = kept.memory_report()["gradients"]
     assert report == sum(g.numel() * 4 for g in grads) / 2**30
     for name, w in full_weights(kept).items():
@@ -249,17 +273,19 @@ def test_errors():
             engine.log_probs(he.PPOBatch(input_ids=[torch.arange(5)]))
 
 
-def _worker(rank, world, init_file, tp, overrides, batches, ref_losses, ref_weights, checkpointing, errors):
+def _worker(rank, world, init_file, tp, overrides, batches, ref, checkpointing, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank} (N={world}, tg={tp})"):
         engine, losses = engine_run(build(**overrides), batches, rank, tp, checkpointing)
-        compare(losses, full_weights(engine), ref_losses, ref_weights)
+        compare(losses, full_weights(engine), ref)
         with engine.rollout():  # the optimizer's writes are what generation sees: no sync step
             t = rank // (world // tp)
+            _, weights, tolerance = ref
             for s in engine.sharded.layout.specs:
                 view = engine.sharded.generation_views()[s.name]
-                expected = reference_tp_slice(ref_weights[s.name], s.role, t, tp)
-                torch.testing.assert_close(view, expected, rtol=1e-5, atol=weight_atol(s.name))
+                expected = reference_tp_slice(weights[s.name], s.role, t, tp)
+                assert view.shape == expected.shape, s.name
+                assert_weight_close(s.name, view, (None, {s.name: expected}, tolerance))
 
 
 @pytest.mark.parametrize("world,tp,checkpointing", [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True),
@@ -272,8 +298,7 @@ def test_data_parallel_matches_torch_reference(world, tp, checkpointing):
     overrides = {4: dict(num_key_value_heads=4), 8: dict(num_attention_heads=8, num_key_value_heads=8)}.get(tp, {})
     hf = build(**overrides)
     batches = make_batches(hf, world)
-    ref_losses, ref_weights = reference_run(hf, batches)
-    spawn(_worker, world, tp, overrides, batches, ref_losses, ref_weights, checkpointing)
+    spawn(_worker, world, tp, overrides, batches, reference(hf, batches), checkpointing)
 
 
 def test_critic_matches_torch_reference():
@@ -326,7 +351,7 @@ def test_critic_matches_torch_reference():
 def test_released_params_never_read_the_old_buffer():
     """Activation checkpointing off: after the forward, the gathered buffer may be freed and reused
     (here: overwritten with NaN); backward over a fresh gather gives the plain autograd gradients."""
-    from hybridengine.train.trainer import _ReleasedParams
+    from hybridengine.train.released_params import ReleasedParams
 
     class Layout:  # natural_view over a flat buffer: name -> (offset, shape)
         spans = {"l.w1": (0, (8, 4)), "l.w2": (32, (4, 8)), "l.norm": (64, (4,))}
@@ -348,7 +373,7 @@ def test_released_params_never_read_the_old_buffer():
 
     natural = values.clone()
     params = {k[2:]: layout.natural_view(natural, k).detach().requires_grad_() for k in layout.spans}
-    slots = _ReleasedParams(params, natural, layout, "l.")
+    slots = ReleasedParams(params, natural, layout, "l.")
     packed = []
     pack = lambda t: packed.append(slots.pack(t)) or packed[-1]  # noqa: E731
     xi = x.detach().requires_grad_()
@@ -397,7 +422,7 @@ def test_scoring_engine_holds_no_optimizer_state():
     engine.log_probs(batch)
     report = engine.memory_report()
     assert report["optimizer"] == 0 and report["gradients"] == 0
-    assert engine._training._optimizer is None and engine._training._grads is None
+    assert not engine.trainer.has_optimizer and engine.trainer.held_gradients == []
     engine.ppo_step(he.PPOBatch(input_ids=batch.input_ids, response_mask=[torch.ones(5), torch.ones(3)],
                                 old_logprobs=[torch.zeros(5), torch.zeros(3)], advantages=[torch.ones(5), torch.ones(3)]))
     report = engine.memory_report()

@@ -72,7 +72,7 @@ CHUNK_ALIGN = 128
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class _LossConfig:
+class LossConfig:
     """The scalar knobs of `ppo_loss`, validated once."""
 
     clip_low: float = 0.2
@@ -223,7 +223,7 @@ def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
 
 
 def _policy_terms(logp: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  ref_logprobs: torch.Tensor | None, cfg: _LossConfig) -> dict[str, torch.Tensor]:
+                  ref_logprobs: torch.Tensor | None, cfg: LossConfig) -> dict[str, torch.Tensor]:
     """Per-token pg, kl (None without ref_logprobs), d, and the clip indicators: the issue's semantics, verbatim."""
     dt = logp.dtype
     adv = advantages.to(dt)
@@ -244,7 +244,7 @@ def _policy_terms(logp: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
 
 
 def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 mask: torch.Tensor, ref_logprobs: torch.Tensor | None, cfg: _LossConfig
+                 mask: torch.Tensor, ref_logprobs: torch.Tensor | None, cfg: LossConfig
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """loss and metrics from per-token logp and entropy [B, T] under a bool mask."""
     dt = logp.dtype
@@ -261,7 +261,7 @@ def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor, old_logprobs: torch.
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def _policy_grad_logp(logp, old, adv, ref, weights, cfg: _LossConfig) -> torch.Tensor:
+def _policy_grad_logp(logp, old, adv, ref, weights, cfg: LossConfig) -> torch.Tensor:
     """dloss/dlogp per token (1-D), written out by hand with torch autograd's conventions for the
     same expressions as `_policy_loss`: clamp passes the gradient on its closed interval, maximum and
     minimum split it in half on ties, where() routes it to the chosen branch."""
@@ -317,7 +317,7 @@ def ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask, *, bia
                  clip_low=0.2, clip_high=0.2, clip_ratio_c=None, ref_logprobs=None, kl_coef=0.0, kl_estimator="k3",
                  entropy_coef=0.0, loss_agg="token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Plain-torch `ppo_loss`: materialises the full logits in fp32 (the tests' and benches' reference)."""
-    cfg = _LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
+    cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
                       kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
     mask_bool, _ = _check_policy("ppo_loss_ref", hidden, weight, bias, targets, old_logprobs, advantages, mask,
                                  ref_logprobs, temperature, cfg)
@@ -341,7 +341,7 @@ def token_logprobs_ref(hidden, weight, targets, *, bias=None, temperature=1.0, r
 
 
 def _check_policy(op, hidden, weight, bias, targets, old_logprobs, advantages, mask, ref_logprobs, temperature,
-                  cfg: _LossConfig) -> tuple[torch.Tensor, int]:
+                  cfg: LossConfig) -> tuple[torch.Tensor, int]:
     """All of ppo_loss's checks; returns the bool mask and the number of masked-in tokens."""
     _check_head(op, hidden, weight, bias, targets)
     _check_temperature(temperature)
@@ -617,7 +617,7 @@ def ppo_loss(hidden, weight, targets, old_logprobs, advantages, mask, *, bias=No
     ref_logprobs). Gradients flow to hidden, weight and bias. On CUDA the fused Triton path runs
     (one pass, one [C, V] chunk of logits at a time); elsewhere the plain-torch reference.
     """
-    cfg = _LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
+    cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
                       kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
     mask_bool, num_tokens = _check_policy("ppo_loss", hidden, weight, bias, targets, old_logprobs, advantages, mask,
                                           ref_logprobs, temperature, cfg)

@@ -1,15 +1,18 @@
-"""Checkpoints of a HybridEngine: sharded save/load (any world size on load), HF export.
+"""Checkpoints of a sharded model and its optimizer: sharded save/restore (any world size on load), HF export.
 
 Format (a folder): `meta.json` (model and engine config, the saved layout: specs, world size, TP
 degree, alignment, step) and `rank{r}.pt` per saving rank (its weight shard and AdamW state per
-unit, RNG states). A save is atomic: everything is written into a temporary sibling folder, which
-replaces the target with two renames only once every rank has finished, so a crash mid-save leaves
-the previous checkpoint intact.
+unit, its RNG states). A save is atomic: everything is written into a temporary sibling folder,
+which replaces the target with two renames only once every rank has finished, so a crash mid-save
+leaves the previous checkpoint intact.
 
 Loading at another world size or TP degree: each unit is rebuilt in natural layout from the saved
 shards (the saved layout is recomputed from the saved specs), then packed in the new layout, and
 each rank keeps its new shard. Every loading rank reads every saved shard: simple and exact, at the
 cost of one full model in host memory per rank during the load.
+
+This module knows the sharded buffer and the optimizer, not the engine: the engine describes itself
+(`engine_meta` of `save`), builds itself from `read_meta`'s answer and has `restore_` fill it.
 """
 
 from __future__ import annotations
@@ -18,25 +21,47 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hybridengine.sharding.layout import ParamSpec, ShardedLayout
 from hybridengine.model.config import ModelConfig, RopeConfig
 from hybridengine.ops import segment_copy
+from hybridengine.sharding.layout import ParamSpec, ShardedLayout
+from hybridengine.sharding.sharded import ShardedBuffer
 
 FORMAT = 1
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
 
-def _barrier(engine) -> None:
-    if dist.is_initialized() and engine.world_size > 1:
-        dist.barrier()
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointMeta:
+    """What `read_meta` finds in a checkpoint folder: enough to build the engine that `restore_` fills."""
+
+    path: Path
+    role: str
+    """'actor' or 'critic'."""
+    step: int
+    """Optimizer steps taken when it was saved."""
+    model_config: ModelConfig
+    """The backbone's config (a critic's value head is added again by the engine)."""
+    engine_config: dict
+    """The saving engine's config fields (dtype as a torch.dtype; device as it was saved)."""
+    hf_config: dict | None
+    """The transformers config, for `export_hf` (None for an engine built from a ModelConfig)."""
+    layout: ShardedLayout
+    """The saved layout (specs, world size, TP degree)."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def _barrier(sharded: ShardedBuffer) -> None:
+    if not sharded.local and sharded.world_size > 1:
+        dist.barrier(group=sharded.group)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16 (how configs store a dtype)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -53,36 +78,33 @@ def _layout_from_meta(meta: dict) -> ShardedLayout:
                          shard_align_bytes=meta["shard_align_bytes"])
 
 
-def save(engine, path: str | os.PathLike) -> None:
-    """Write the engine's sharded state (weights, optimizer, step, RNG, config) to folder `path`."""
+def save(path: str | os.PathLike, sharded: ShardedBuffer, optimizer, *, engine_meta: dict) -> None:
+    """Write the sharded weights, the optimizer state (`optimizer`: a FlatAdamW or None), this rank's
+    RNG states and `engine_meta` (role, model_config, hf_config, engine_config: JSON-ready) to folder
+    `path`. Every rank calls it."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
-    if engine.rank == 0:
+    if sharded.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # a save that died before its renames
         tmp.mkdir()
-    _barrier(engine)
-    sharded = engine.sharded
-    opt = engine._training._optimizer if engine._training is not None else None
-    optimizer = None
-    if opt is not None:
-        sd = opt.state_dict()
-        optimizer = {"step": sd["step"], **{k: None if sd[k] is None else [t.detach().cpu().clone() for t in sd[k]]
-                                            for k in _STATE_KEYS}}
-    state = dict(weights=[s.detach().cpu().clone() for s in sharded.shard_views()], optimizer=optimizer,
-                 rng=dict(cpu=torch.get_rng_state(),
-                          cuda=torch.cuda.get_rng_state(engine.device) if engine.device.type == "cuda" else None))
-    with open(tmp / f"rank{engine.rank}.pt", "wb") as f:
+    _barrier(sharded)
+    state_dict = None
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        state_dict = {"step": sd["step"], **{k: None if sd[k] is None else [t.detach().cpu().clone() for t in sd[k]]
+                                             for k in _STATE_KEYS}}
+    cuda = sharded.device.type == "cuda"
+    state = dict(weights=[s.detach().cpu().clone() for s in sharded.shard_views()], optimizer=state_dict,
+                 rng=dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(sharded.device) if cuda else None))
+    with open(tmp / f"rank{sharded.rank}.pt", "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    _barrier(engine)
-    if engine.rank == 0:
-        meta = dict(format=FORMAT, role=engine.role, step=0 if opt is None else opt.num_steps,
-                    model_config=dataclasses.asdict(engine.model_config), hf_config=engine.hf_config,
-                    engine_config={k: (_dtype_name(v) if isinstance(v, torch.dtype) else v)
-                                   for k, v in dataclasses.asdict(engine.config).items()},
+    _barrier(sharded)
+    if sharded.rank == 0:
+        meta = dict(format=FORMAT, step=0 if optimizer is None else optimizer.num_steps, **engine_meta,
                     layout=_layout_meta(sharded.layout))
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
@@ -96,7 +118,32 @@ def save(engine, path: str | os.PathLike) -> None:
         tmp.rename(path)  # the checkpoint switches here, all at once
         if old.exists():
             shutil.rmtree(old)
-    _barrier(engine)
+    _barrier(sharded)
+
+
+def read_meta(path: str | os.PathLike) -> CheckpointMeta:
+    """The description of the checkpoint in folder `path`; checks that it is complete."""
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.exists():
+        raise ValueError(f"HybridEngine.load: {path} has no meta.json (not a hybridengine checkpoint)")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"HybridEngine.load: {path} has format {meta.get('format')!r}, expected {FORMAT}")
+    layout = _layout_from_meta(meta["layout"])
+    missing = [r for r in range(layout.world_size) if not (path / f"rank{r}.pt").exists()]
+    if missing:
+        raise ValueError(f"HybridEngine.load: {path} lacks the shards of saved ranks {missing}")
+    mc = dict(meta["model_config"])
+    mc["rope"] = RopeConfig(**mc["rope"])
+    mc["layer_types"] = tuple(mc["layer_types"])
+    model_config = ModelConfig(**mc)
+    if model_config.value_head:
+        model_config = dataclasses.replace(model_config, value_head=False)  # the engine adds the head again
+    engine_config = dict(meta["engine_config"])
+    engine_config["dtype"] = getattr(torch, engine_config["dtype"])
+    return CheckpointMeta(path=path, role=meta["role"], step=meta["step"], model_config=model_config,
+                          engine_config=engine_config, hf_config=meta.get("hf_config"), layout=layout)
 
 
 def _natural_units(layout: ShardedLayout, shards_by_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -115,7 +162,8 @@ def _natural_units(layout: ShardedLayout, shards_by_rank: list[list[torch.Tensor
 
 def _to_layout(saved: ShardedLayout, naturals: list[torch.Tensor], layout: ShardedLayout) -> list[torch.Tensor]:
     """The saved layout's natural units -> `layout`'s natural units, parameter by parameter (by name):
-    the two may order a unit's parameters differently (param_specs' order changed on 2026-11-30)."""
+    the two may order a unit's parameters differently (checkpoints from before `param_specs` put each
+    unit's matrices first)."""
     out = []
     for unit in layout.units:
         buf = torch.zeros(unit.natural_numel, dtype=naturals[0].dtype)
@@ -133,8 +181,7 @@ def _to_layout(saved: ShardedLayout, naturals: list[torch.Tensor], layout: Shard
     return out
 
 
-def _own_shards(engine, naturals: list[torch.Tensor]) -> list[torch.Tensor]:
-    sharded = engine.sharded
+def _own_shards(sharded: ShardedBuffer, naturals: list[torch.Tensor]) -> list[torch.Tensor]:
     shards = []
     for u, natural in enumerate(naturals):
         packed = sharded.pack_unit(u, natural.to(sharded.device))
@@ -143,63 +190,41 @@ def _own_shards(engine, naturals: list[torch.Tensor]) -> list[torch.Tensor]:
     return shards
 
 
-def load(path: str | os.PathLike, *, config=None):
-    """A HybridEngine restored from `save` (at this process's world size; TP degree from `config`)."""
-    from hybridengine.engine import EngineConfig, HybridEngine
-
-    path = Path(path)
-    meta_file = path / "meta.json"
-    if not meta_file.exists():
-        raise ValueError(f"HybridEngine.load: {path} has no meta.json (not a hybridengine checkpoint)")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"HybridEngine.load: {path} has format {meta.get('format')!r}, expected {FORMAT}")
-    saved = _layout_from_meta(meta["layout"])
-    missing = [r for r in range(saved.world_size) if not (path / f"rank{r}.pt").exists()]
-    if missing:
-        raise ValueError(f"HybridEngine.load: {path} lacks the shards of saved ranks {missing}")
-    mc = dict(meta["model_config"])
-    mc["rope"] = RopeConfig(**mc["rope"])
-    mc["layer_types"] = tuple(mc["layer_types"])
-    model_config = ModelConfig(**mc)
-    if config is None:
-        ec = dict(meta["engine_config"])
-        ec["dtype"] = getattr(torch, ec["dtype"])
-        ec.pop("device", None)  # this process's device, not the saver's
-        config = EngineConfig(**ec)
-    if model_config.value_head:
-        model_config = dataclasses.replace(model_config, value_head=False)  # the engine adds the head again
-    engine = HybridEngine(model_config, config, role=meta["role"])
-    engine.hf_config = meta.get("hf_config")
-    states = [torch.load(path / f"rank{r}.pt", map_location="cpu", weights_only=False) for r in range(saved.world_size)]
-    layout = engine.sharded.layout
-    weights = _own_shards(engine, _to_layout(saved, _natural_units(saved, [s["weights"] for s in states]), layout))
-    for dst, src in zip(engine.sharded.shard_views(), weights):
+def restore_(meta: CheckpointMeta, sharded: ShardedBuffer, optimizer: Callable[[], object]) -> None:
+    """Fill `sharded` (built for `meta`'s model at this process's world size and any TP degree) with the
+    checkpoint's weights, the optimizer that `optimizer()` returns (called only when the checkpoint
+    holds optimizer state) with its AdamW state, and this rank's RNG states. A rank that the saving
+    run did not have (loading at a larger world size) keeps its own RNG states."""
+    saved = meta.layout
+    states = [torch.load(meta.path / f"rank{r}.pt", map_location="cpu", weights_only=False)
+              for r in range(saved.world_size)]
+    layout = sharded.layout
+    weights = _own_shards(sharded, _to_layout(saved, _natural_units(saved, [s["weights"] for s in states]), layout))
+    for dst, src in zip(sharded.shard_views(), weights):
         dst.copy_(src.to(dst.dtype))
     if states[0]["optimizer"] is not None:
-        trainer = engine._trainer()
+        opt = optimizer()
         opt_state = {"step": states[0]["optimizer"]["step"]}
         for key in _STATE_KEYS:
             if states[0]["optimizer"][key] is None:
                 opt_state[key] = None
                 continue
             naturals = _to_layout(saved, _natural_units(saved, [s["optimizer"][key] for s in states]), layout)
-            opt_state[key] = [t.float() for t in _own_shards(engine, naturals)]
-        if trainer.optimizer.master_weights is False:
+            opt_state[key] = [t.float() for t in _own_shards(sharded, naturals)]
+        if opt.master_weights is False:
             opt_state["master"] = None
         elif opt_state["master"] is None:  # saved without masters (fp32 params): the weights are the masters
             opt_state["master"] = [w.float() for w in weights]
-        trainer.optimizer.load_state_dict(opt_state)
-    rng = states[engine.rank]["rng"] if engine.rank < len(states) else states[0]["rng"]
-    torch.set_rng_state(rng["cpu"])
-    if rng["cuda"] is not None and engine.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], engine.device)
-    return engine
+        opt.load_state_dict(opt_state)
+    if sharded.rank < len(states):
+        rng = states[sharded.rank]["rng"]
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and sharded.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], sharded.device)
 
 
-def full_state_dict(engine) -> dict[str, torch.Tensor]:
+def full_state_dict(sharded: ShardedBuffer) -> dict[str, torch.Tensor]:
     """Every parameter in natural layout (CPU), gathered from all ranks (every rank gets it)."""
-    sharded = engine.sharded
     out = {}
     for u, unit in enumerate(sharded.layout.units):
         natural = sharded.gather_unit(u)
@@ -208,22 +233,18 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_hf(engine, path: str | os.PathLike) -> None:
-    """config.json + model.safetensors that transformers' AutoModelForCausalLM.from_pretrained loads."""
+def export_hf(path: str | os.PathLike, sharded: ShardedBuffer, *, hf_config: dict, dtype: torch.dtype) -> None:
+    """config.json (`hf_config` with `dtype`) + model.safetensors that transformers'
+    AutoModelForCausalLM.from_pretrained loads; every rank calls it, rank 0 writes."""
     from safetensors.torch import save_file
 
-    if engine.role != "actor":
-        raise ValueError("export_hf: only an actor (causal LM) exports to a transformers checkpoint")
-    if engine.hf_config is None:
-        raise ValueError("export_hf: the engine was built from a ModelConfig, not a transformers config, model or "
-                         "checkpoint, so there is no config.json to write")
-    state = full_state_dict(engine)
-    if engine.rank != 0:
+    state = full_state_dict(sharded)
+    if sharded.rank != 0:
         return
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    config = dict(engine.hf_config)
-    config["torch_dtype"] = config["dtype"] = _dtype_name(engine.config.dtype)
+    config = dict(hf_config)
+    config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
     (path / "config.json").write_text(json.dumps(config, indent=1))

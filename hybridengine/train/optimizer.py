@@ -300,6 +300,11 @@ class FlatAdamW:
                    grad_scale=grad_scale)
         self.num_steps = step
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the optimizer's state (moments, masters or their low halves), for memory
+        accounting; the live tensors, not to be written."""
+        return [*self.exp_avg, *self.exp_avg_sq, *(self.master or []), *(self.master_lo or [])]
+
     def masters(self) -> list[torch.Tensor] | None:
         """The fp32 masters (split: joined, new tensors), or None without master weights."""
         if self.master_lo is not None:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,212 +28,15 @@ from torch.func import functional_call
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM, rope_cos_sin
+from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
 from hybridengine.sharding.sharded import ShardedBuffer
-from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - bench.prefill_attention imports _varlen_api from here
+from hybridengine.train.batch import PPOBatch, plan_micro_batches
+from hybridengine.train.config import PPOConfig, ValueConfig
+from hybridengine.train.optimizer import FlatAdamW
+from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - bench.prefill_attention imports it from here
+from hybridengine.train.released_params import ReleasedParams
 
-LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
-
-
-@dataclass(kw_only=True, slots=True)
-class _StepConfig:
-    """What every optimizer step takes: micro-batching, clipping and AdamW."""
-
-    loss_agg: str = "token-mean"
-    micro_batch_tokens: int = 16384
-    """Most tokens in one forward/backward (gradients accumulate over micro-batches)."""
-    max_grad_norm: float | None = 1.0
-    """Global gradient-norm clipping; None: off."""
-    lr: float | Callable[[int], float] = 1e-6
-    """A float, or a schedule: step (from 1) -> learning rate."""
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    activation_checkpointing: bool = True
-    """True: forward keeps only each layer's input and backward recomputes the layer (least memory).
-    False: forward keeps every layer's autograd activations and backward only gathers the parameters
-    again (no recompute: one layer forward less per layer, activations of all layers held)."""
-
-    def _check_step(self, name: str) -> None:
-        from hybridengine.ops.ppo_loss import LOSS_AGGS
-
-        if self.loss_agg not in LOSS_AGGS:
-            raise ValueError(f"{name}.loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"{name}.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"{name}.max_grad_norm must be None or > 0, got {self.max_grad_norm}")
-
-
-@dataclass(kw_only=True, slots=True)
-class PPOConfig(_StepConfig):
-    """One PPO/GRPO optimizer step (names as in verl where they exist)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_ratio_c: float | None = None
-    """Dual-clip bound (> 1) for negative advantages; None: off."""
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
-    """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
-
-    def __post_init__(self):
-        from hybridengine.ops.ppo_loss import _LossConfig
-
-        self._check_step("PPOConfig")
-        try:  # the loss knobs are validated where the loss defines them
-            _LossConfig(**{name: getattr(self, name) for name in LOSS_FIELDS})
-        except ValueError as e:
-            raise ValueError(f"PPOConfig.{e}") from None
-        if self.temperature <= 0:
-            raise ValueError(f"PPOConfig.temperature must be > 0, got {self.temperature}")
-
-    def loss_kwargs(self) -> dict:
-        """The keyword arguments of `ppo_loss` this config sets."""
-        return {name: getattr(self, name) for name in (*LOSS_FIELDS, "temperature")}
-
-
-@dataclass(kw_only=True, slots=True)
-class ValueConfig(_StepConfig):
-    """One critic optimizer step with `he.value_loss`."""
-
-    clip: float | None = 0.2
-    """Value clipping around old_values; None: off."""
-    lr: float | Callable[[int], float] = 1e-5
-
-    def __post_init__(self):
-        self._check_step("ValueConfig")
-        if self.clip is not None and self.clip <= 0:
-            raise ValueError(f"ValueConfig.clip must be None or > 0, got {self.clip}")
-
-
-@dataclass(kw_only=True, slots=True)
-class PPOBatch:
-    """Variable-length sequences (prompt + response) and per-target-token training data.
-
-    `input_ids[b]` has T_b >= 2 tokens; every other field is aligned with the *targets*
-    `input_ids[b][1:]` (length T_b - 1): position t is the prediction of token t + 1.
-    """
-
-    input_ids: list[torch.Tensor]
-    response_mask: list[torch.Tensor] | None = None
-    """1 where the target token is trained on (response tokens); None: log_probs only."""
-    old_logprobs: list[torch.Tensor] | None = None
-    advantages: list[torch.Tensor] | None = None
-    ref_logprobs: list[torch.Tensor] | None = None
-    old_values: list[torch.Tensor] | None = None
-    """Critic: the values at rollout time (for value clipping)."""
-    returns: list[torch.Tensor] | None = None
-    """Critic: the regression targets (e.g. from `algos.gae`)."""
-
-    def __post_init__(self):
-        if not self.input_ids:
-            raise ValueError("PPOBatch.input_ids must hold at least one sequence")
-        self.input_ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in self.input_ids]
-        for b, ids in enumerate(self.input_ids):
-            if ids.numel() < 2:
-                raise ValueError(f"PPOBatch.input_ids[{b}] has {ids.numel()} tokens; at least 2 are needed")
-        for name in ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "old_values", "returns"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if len(value) != len(self.input_ids):
-                raise ValueError(f"PPOBatch.{name} has {len(value)} sequences, input_ids has {len(self.input_ids)}")
-            value = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in value]
-            for b, (v, ids) in enumerate(zip(value, self.input_ids)):
-                if v.numel() != ids.numel() - 1:
-                    raise ValueError(f"PPOBatch.{name}[{b}] has {v.numel()} entries; expected len(input_ids[{b}]) - 1 "
-                                     f"= {ids.numel() - 1} (one per target token)")
-            setattr(self, name, value)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [int(t.numel()) for t in self.input_ids]
-
-    def padded(self, name: str, rows: list[int], width: int, device) -> torch.Tensor:
-        """Field `name` of sequences `rows` as [len(rows), width] (zero padding)."""
-        out = torch.zeros(len(rows), width, dtype=torch.float32)
-        for i, b in enumerate(rows):
-            v = getattr(self, name)[b]
-            out[i, :v.numel()] = v
-        return out.to(device)
-
-
-def _micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive groups of sequences of at most max_tokens tokens (a longer sequence goes alone)."""
-    groups, current, tokens = [], [], 0
-    for b, n in enumerate(lengths):
-        if current and tokens + n > max_tokens:
-            groups.append(current)
-            current, tokens = [], 0
-        current.append(b)
-        tokens += n
-    groups.append(current)
-    return groups
-
-
-class _ReleasedParams:
-    """One layer's parameter leaves over a transient gathered buffer, run with autograd, without
-    autograd keeping that buffer alive (ZeRO-3 with activations kept, as FSDP does it).
-
-    Saved-tensor hooks replace what autograd saves of a parameter (the leaf or a view of it, say
-    its transpose) by (leaf, shape, stride, offset within the leaf); `release` points the leaves at
-    empty tensors so the gathered buffer can be freed; `attach(natural)` points them at a fresh gather
-    before the layer's backward, and unpacking rebuilds each saved view over it.
-    """
-
-    def __init__(self, params: dict[str, torch.Tensor], natural: torch.Tensor, layout, prefix: str):
-        self.params, self.layout, self.prefix = params, layout, prefix
-        self.storage = natural.untyped_storage().data_ptr()
-        self.spans = [(p.storage_offset(), p.storage_offset() + p.numel(), p) for p in params.values()]
-
-    def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() == self.storage:
-            offset = t.storage_offset()
-            for lo, hi, p in self.spans:
-                if lo <= offset < hi:
-                    return (p, tuple(t.shape), t.stride(), offset - lo)
-        return t
-
-    @staticmethod
-    def unpack(packed):
-        if isinstance(packed, tuple):
-            p, shape, stride, rel = packed
-            return p.detach().as_strided(shape, stride, p.storage_offset() + rel)
-        return packed
-
-    def release(self) -> None:
-        for p in self.params.values():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.spans = None
-
-    def attach(self, natural: torch.Tensor) -> None:
-        for name, p in self.params.items():
-            p.data = self.layout.natural_view(natural, self.prefix + name)
-
-
-def _plan_micro_batches(lengths: list[int], max_tokens: int, group) -> list[list[int]]:
-    """Micro-batches, the same number on every rank (each one gathers and reduce-scatters every unit,
-    so ranks must agree): a rank with fewer splits its largest groups, then pads with empty ones
-    (an empty micro-batch runs a masked dummy sequence that contributes nothing)."""
-    groups = _micro_batches(lengths, max_tokens)
-    if group is None or dist.get_world_size(group) == 1:
-        return groups
-    count = torch.tensor([len(groups)], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        count = count.cuda()
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    target = int(count.item())
-    while len(groups) < target:
-        splittable = [g for g in groups if len(g) > 1]
-        if not splittable:
-            groups.append([])
-            continue
-        big = max(splittable, key=lambda g: sum(lengths[b] for b in g))
-        i = groups.index(big)
-        groups[i:i + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
-    return groups
+__all__ = ["PPOBatch", "PPOConfig", "Trainer", "ValueConfig"]  # the batch and configs are re-exported here
 
 
 class Trainer:
@@ -285,16 +86,31 @@ class Trainer:
         return torch.empty(self.layout.units[u].shard_numel, dtype=torch.float32, device=self.device)
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> FlatAdamW:
         """The FlatAdamW over this rank's shards (allocated on first use)."""
-        from hybridengine.train.optimizer import FlatAdamW
-
         if self._optimizer is None:
             c = self._opt_config
             master = "split" if self.split_master else None  # EngineConfig checked the dtype
             self._optimizer = FlatAdamW(self.sharded.shard_views(), self._decay, lr=c.lr, betas=c.betas, eps=c.eps,
                                         weight_decay=c.weight_decay, master_weights=master)
         return self._optimizer
+
+    def reset_optimizer(self, *, split_master: bool | None = None) -> None:
+        """Drop the AdamW state: the next step starts a fresh one over the current weights, with
+        `split_master` (bf16 weights + int16 low halves, or fp32 masters) when given."""
+        if split_master is not None:
+            self.split_master = split_master
+        self._optimizer = None
+
+    @property
+    def has_optimizer(self) -> bool:
+        """Whether the AdamW state exists (it appears at the first optimizer step or `optimizer` access)."""
+        return self._optimizer is not None
+
+    @property
+    def held_gradients(self) -> list[torch.Tensor]:
+        """The gradient shards this rank holds now (none between steps unless keep_grads); read-only use."""
+        return [g for g in self._grads or [] if g is not None]
 
     # -- masks over the flat shards ------------------------------------------------------------------
 
@@ -343,11 +159,12 @@ class Trainer:
             cu = [0]
             for b in rows:
                 cu.append(cu[-1] + batch.lengths[b])
+        host_ids = ids
         ids, positions = ids.to(self.device), positions.to(self.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         attn = PackedAttention(cu)
         attn.fused_train = self.fused
-        return ids, cos, sin, attn, cu
+        return ids, cos, sin, attn, cu, host_ids
 
     def _forward_layers(self, ids, cos, sin, attn, keep_inputs: bool):
         """Embedding and every layer without autograd; returns (final residual stream, layer inputs)."""
@@ -367,7 +184,7 @@ class Trainer:
     def _forward_layers_with_graphs(self, ids, cos, sin, attn):
         """Embedding without autograd, then every layer with autograd on its own detached input
         (backward runs layer by layer); the parameters' storage is released after each layer's
-        forward (`_ReleasedParams`). Returns (final residual stream, [(input, output, slots)] per layer)."""
+        forward (`ReleasedParams`). Returns (final residual stream, [(input, output, slots)] per layer)."""
         embed_u = self.units["embed"]
         with torch.no_grad():
             x = F.embedding(ids, self.layout.natural_view(self.sharded.gather_unit(embed_u), "model.embed_tokens.weight"))
@@ -377,7 +194,7 @@ class Trainer:
             self.sharded.prefetch_unit(u + 1)
             natural = self.sharded.gather_unit(u)
             xi = x.detach().requires_grad_(True)
-            slots = _ReleasedParams(self._layer_params(i, natural, grad=True), natural, self.layout,
+            slots = ReleasedParams(self._layer_params(i, natural, grad=True), natural, self.layout,
                                     f"model.layers.{i}.")
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(slots.pack, slots.unpack):
                 out = functional_call(self.skeleton.model.layers[i], slots.params, (xi, cos, sin, attn, i))
@@ -410,14 +227,28 @@ class Trainer:
             out[i, :batch.lengths[b] - 1] = batch.input_ids[b][1:]
         return out.to(self.device)
 
+    def _check_batch(self, op: str, batch, fields: tuple[str, ...] = ()) -> None:
+        """batch is a PPOBatch whose token ids lie in the vocabulary and which has `fields`."""
+        if not isinstance(batch, PPOBatch):
+            raise ValueError(f"{op}: batch must be a PPOBatch, got {type(batch).__name__}")
+        missing = [name for name in fields if getattr(batch, name) is None]
+        if missing:
+            names = [f"batch.{name}" for name in fields]
+            raise ValueError(f"{op} needs {', '.join(names[:-1])} and {names[-1]} (missing: {', '.join(missing)})")
+        low, high = torch.aminmax(torch.cat(batch.input_ids))
+        vocab = self.config.vocab_size
+        if int(low) < 0 or int(high) >= vocab:
+            bad = int(low) if int(low) < 0 else int(high)
+            raise ValueError(f"{op}: batch.input_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
+
     # -- public ---------------------------------------------------------------------------------------
 
     def _scoring_passes(self, batch: PPOBatch, micro_batch_tokens: int):
         """Per micro-batch of a no-grad forward: (rows, final-normed hidden [tokens, H], head weight,
         cu_seqlens). An empty micro-batch (this rank ran out while others did not) still runs its
         gathers and collectives and yields nothing."""
-        for rows in _plan_micro_batches(batch.lengths, micro_batch_tokens, self.sharded.group):
-            ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
+        for rows in plan_micro_batches(batch.lengths, micro_batch_tokens, self.sharded.group):
+            ids, cos, sin, attn, cu, _ = self._pack_inputs(batch, rows)
             x, _ = self._forward_layers(ids, cos, sin, attn, keep_inputs=False)
             norm_w, head_w = self._head_weights()
             if rows:
@@ -427,10 +258,9 @@ class Trainer:
     def log_probs(self, batch: PPOBatch, *, temperature: float = 1.0, micro_batch_tokens: int = 16384,
                   return_entropy: bool = False):
         """[B, max_len - 1] log-probs of the target tokens (zero past each sequence); entropy optional."""
-        from hybridengine.ops.ppo_loss import token_logprobs
-
         if self.critic:
             raise ValueError("log_probs() needs an actor engine; this one is a critic (use values)")
+        self._check_batch("log_probs", batch)
         width = max(batch.lengths) - 1
         logp = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
         ent = torch.zeros_like(logp) if return_entropy else None
@@ -448,12 +278,11 @@ class Trainer:
 
     def ppo_step(self, batch: PPOBatch, cfg: PPOConfig) -> dict:
         """One optimizer step of the policy on this rank's batch; returns loss, metrics, grad_norm, lr, timings."""
-        from hybridengine.ops.ppo_loss import ppo_loss
-
         if self.critic:
             raise ValueError("ppo_step is for the actor; this engine is a critic (use value_step)")
-        if batch.response_mask is None or batch.old_logprobs is None or batch.advantages is None:
-            raise ValueError("ppo_step needs batch.response_mask, batch.old_logprobs and batch.advantages")
+        if not isinstance(cfg, PPOConfig):
+            raise ValueError(f"ppo_step: config must be a PPOConfig, got {type(cfg).__name__}")
+        self._check_batch("ppo_step", batch, ("response_mask", "old_logprobs", "advantages"))
         if cfg.kl_coef and batch.ref_logprobs is None:
             raise ValueError("PPOConfig.kl_coef > 0 needs batch.ref_logprobs")
 
@@ -469,13 +298,12 @@ class Trainer:
         return self._step(batch, cfg, head_loss)
 
     def value_step(self, batch: PPOBatch, cfg: ValueConfig) -> dict:
-        """One optimizer step of the critic (`he.value_loss`) on this rank's batch."""
-        from hybridengine.ops.ppo_loss import value_loss
-
+        """One optimizer step of the critic (`value_loss`) on this rank's batch."""
         if not self.critic:
             raise ValueError("value_step needs a critic engine (HybridEngine(..., role='critic'))")
-        if batch.response_mask is None or batch.old_values is None or batch.returns is None:
-            raise ValueError("value_step needs batch.response_mask, batch.old_values and batch.returns")
+        if not isinstance(cfg, ValueConfig):
+            raise ValueError(f"value_step: config must be a ValueConfig, got {type(cfg).__name__}")
+        self._check_batch("value_step", batch, ("response_mask", "old_values", "returns"))
 
         def head_loss(h, head_w, rows, cu):
             values = self._unpack(F.linear(h, head_w).squeeze(-1), cu)
@@ -512,7 +340,7 @@ class Trainer:
         self._fresh = set(range(len(self.layout.units)))
         if self._grads is None:
             self._grads = [None] * len(self.layout.units)
-        groups = _plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group)
+        groups = plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group)
         # The loss is aggregated over the whole rank batch: weight each micro-batch by its share.
         mask_counts = [float(m.sum()) for m in batch.response_mask]
         if cfg.loss_agg == "token-mean":
@@ -536,7 +364,7 @@ class Trainer:
         return totals
 
     def _micro_step(self, batch: PPOBatch, rows: list[int], weight: float, head_loss, recompute: bool) -> dict:
-        ids, cos, sin, attn, cu = self._pack_inputs(batch, rows)
+        ids, cos, sin, attn, cu, host_ids = self._pack_inputs(batch, rows)
         graphs = None
         if recompute:
             with torch.no_grad():
@@ -584,23 +412,37 @@ class Trainer:
             self._reduce(u, {prefix + k: p.grad for k, p in params.items()})
         self._reduce(head_u, head_grads)
         del head_grads
-        # Embedding: scatter-add of the input gradient rows, straight into the unit's natural fp32 gradient
-        # (tied: on top of the LM head's share, one reduce-scatter for both).
+        # Embedding: the input gradient rows summed per token id, straight into the unit's natural fp32
+        # gradient (tied: on top of the LM head's share, one reduce-scatter for both).
         natural = self._natural_grad(embed_u)
         embed_grad = self.layout.natural_view(natural, "model.embed_tokens.weight")
         if tied_head_grad is not None:
             embed_grad.copy_(tied_head_grad)
             del tied_head_grad
-        embed_grad.index_add_(0, ids, grad_x.float())
+        self._add_embedding_grad_(embed_grad, host_ids, grad_x)
         self._reduce(embed_u, natural=natural)
         self._finish_reduces()
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+    def _add_embedding_grad_(self, embed_grad: torch.Tensor, host_ids: torch.Tensor, grad_x: torch.Tensor) -> None:
+        """embed_grad[v] += the sum of grad_x's rows at the tokens with id v, in the same order on every
+        run and device. `index_add_` over the tokens would be nondeterministic on CUDA (atomics: the
+        rows of a repeated id add in a varying order), so a step would not repeat bit for bit and a
+        resumed run would drift from an uninterrupted one. Instead the distinct ids are found on the
+        host (sorted; no device sync), the embedding backward sums each id's rows into a compact
+        [distinct ids, H] tensor (sorted segments, no atomics: deterministic on CUDA and CPU), and each
+        distinct row is added once. Extra work: one sort of the micro-batch's ids and [distinct ids, H]."""
+        distinct, inverse = torch.unique(host_ids, sorted=True, return_inverse=True)
+        distinct, inverse = distinct.to(self.device), inverse.to(self.device)
+        rows = torch.ops.aten.embedding_dense_backward(grad_x.float(), inverse, distinct.numel(), -1, False)
+        embed_grad.index_add_(0, distinct, rows)  # distinct indices: one add per element, no order to vary
 
     @torch.no_grad()
     def values(self, batch: PPOBatch, *, micro_batch_tokens: int = 16384) -> torch.Tensor:
         """Critic: [B, max_len - 1] values at the positions of the target tokens (zero past each sequence)."""
         if not self.critic:
             raise ValueError("values() needs a critic engine (HybridEngine(..., role='critic'))")
+        self._check_batch("values", batch)
         width = max(batch.lengths) - 1
         out = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
         for rows, normed, head_w, cu in self._scoring_passes(batch, micro_batch_tokens):

@@ -1,0 +1,90 @@
+"""The configs of one optimizer step: `PPOConfig` (the policy) and `ValueConfig` (the critic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from hybridengine import checks
+from hybridengine.ops.ppo_loss import LOSS_AGGS, LossConfig
+
+LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
+"""The fields of `PPOConfig` that configure `ppo_loss` (validated by `LossConfig`)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _StepConfig:
+    """What every optimizer step takes: micro-batching, clipping and AdamW."""
+
+    loss_agg: str = "token-mean"
+    """How the per-token losses of a rank's batch are aggregated (one of `LOSS_AGGS`)."""
+    micro_batch_tokens: int = 16384
+    """Most tokens in one forward/backward (gradients accumulate over micro-batches)."""
+    max_grad_norm: float | None = 1.0
+    """Global gradient-norm clipping; None: off."""
+    lr: float | Callable[[int], float] = 1e-6
+    """A float, or a schedule: step (from 1) -> learning rate."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    activation_checkpointing: bool = True
+    """True: forward keeps only each layer's input and backward recomputes the layer (least memory).
+    False: forward keeps every layer's autograd activations and backward only gathers the parameters
+    again (no recompute: one layer forward less per layer, activations of all layers held)."""
+
+    def _check_step(self, op: str) -> None:
+        checks.one_of(op, "loss_agg", self.loss_agg, LOSS_AGGS)
+        checks.number(op, "micro_batch_tokens", self.micro_batch_tokens, low=1, integer=True)
+        if self.max_grad_norm is not None:
+            checks.number(op, "max_grad_norm", self.max_grad_norm, low=0, low_open=True)
+        if not callable(self.lr):
+            checks.number(op, "lr", self.lr, low=0)
+        checks.number(op, "weight_decay", self.weight_decay, low=0)
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise ValueError(f"{op}: betas must be a pair of numbers in [0, 1), got {self.betas!r}")
+        for b in self.betas:
+            checks.number(op, "betas", b, low=0, high=1, high_open=True)
+        checks.number(op, "eps", self.eps, low=0)
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"{op}: activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PPOConfig(_StepConfig):
+    """One PPO/GRPO optimizer step (names as in verl where they exist)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    """Dual-clip bound (> 1) for negative advantages; None: off."""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
+
+    def __post_init__(self):
+        self._check_step("PPOConfig")
+        try:  # the loss knobs are validated where the loss defines them
+            LossConfig(**{name: getattr(self, name) for name in LOSS_FIELDS})
+        except ValueError as e:
+            raise ValueError(f"PPOConfig: {e}") from None
+        checks.number("PPOConfig", "temperature", self.temperature, low=0, low_open=True)
+
+    def loss_kwargs(self) -> dict:
+        """The keyword arguments of `ppo_loss` this config sets."""
+        return {name: getattr(self, name) for name in (*LOSS_FIELDS, "temperature")}
+
+
+@dataclass(kw_only=True, slots=True)
+class ValueConfig(_StepConfig):
+    """One critic optimizer step with `value_loss`."""
+
+    clip: float | None = 0.2
+    """Value clipping around old_values; None: off."""
+    lr: float | Callable[[int], float] = 1e-5
+
+    def __post_init__(self):
+        self._check_step("ValueConfig")
+        if self.clip is not None:
+            checks.number("ValueConfig", "clip", self.clip, low=0, low_open=True)
