@@ -7,6 +7,7 @@ import sys
 import tempfile
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -47,15 +48,37 @@ def reporting(errors, label: str):
         finish(ok)
 
 
+def _worker(rank: int, fn, threads: int, *args) -> None:
+    """A spawned worker: its share of the parent's CPU threads, then fn(rank, *args)."""
+    torch.set_num_threads(threads)
+    fn(rank, *args)
+
+
 def spawn(fn, world: int, *args) -> None:
-    """Start the processes, wait for them, and fail with every rank's reported error."""
+    """Start the processes, wait for them, and fail with every rank's reported error.
+
+    The workers run on the CPU: they see no GPU (CUDA_VISIBLE_DEVICES is empty while they start; they
+    test the sharding logic over gloo, and on a GPU machine each of up to 8 processes would otherwise
+    initialise CUDA), and they share the parent's CPU threads (world processes with a thread per core
+    each oversubscribe the CPU world times over, and OpenMP's spinning threads then starve each other)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     failure = None
+    threads = max(1, torch.get_num_threads() // world)
     with tempfile.TemporaryDirectory() as tmp:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by each worker when it starts
         try:
-            mp.start_processes(fn, args=(world, os.path.join(tmp, "store"), *args, errors), nprocs=world,
-                               start_method="spawn", join=True)
+            workers = mp.start_processes(_worker, args=(fn, threads, world, os.path.join(tmp, "store"), *args, errors),
+                                         nprocs=world, start_method="spawn", join=False)
+        finally:
+            if visible is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        try:
+            while not workers.join():
+                pass
         except mp.ProcessExitedException as e:  # a rank died (a signal): keep what the others reported
             failure = e
     messages = []

@@ -175,7 +175,18 @@ def test_zero_padding_stays_zero_and_empty_units_are_skipped():
 
 
 # --------------------------------------------------------------------------------------------
-# the Triton kernel (interpreter on CPU) against the reference
+# the Triton kernel against the reference, on the test device (the interpreter on CPU)
+
+
+def step_units(opt: FlatAdamW, launch, grads, step: int, **kw) -> None:
+    """What `FlatAdamW.step` does for every unit, with a chosen launcher (the reference or the kernel at
+    a small block), so both run on the test device."""
+    for i, p in enumerate(opt.params):
+        if opt.master_lo is not None:
+            master, param = opt.master_lo[i], p
+        else:
+            master, param = (opt.master[i], p) if opt.master is not None else (p, None)
+        launch(master, opt.exp_avg[i], opt.exp_avg_sq[i], grads[i], opt.decay_masks[i], param, step=step, **kw)
 
 
 @pytest.mark.parametrize("dtype,master_weights", [
@@ -186,20 +197,17 @@ def test_zero_padding_stays_zero_and_empty_units_are_skipped():
     (torch.bfloat16, False),    # no master: update in fp32, rounded back into the bf16 params
 ])
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.6)])
-def test_kernel_matches_reference_bitwise(dtype, master_weights, betas):
-    params, masks = make_units(dtype=dtype)
+def test_kernel_matches_reference_bitwise(device, dtype, master_weights, betas):
+    """The kernel (on the test device: the interpreter on CPU) against the reference on the same tensors."""
+    params, masks = make_units(dtype=dtype, device=device)
     by_ref = FlatAdamW([p.clone() for p in params], masks, lr=3e-3, betas=betas, weight_decay=0.1,
                        master_weights=master_weights)
     by_kernel = copy.deepcopy(by_ref)
-    launch = kernel()
+    kw = dict(lr=3e-3, beta1=betas[0], beta2=betas[1], eps=1e-8, weight_decay=0.1, grad_scale=0.5)
     for step in range(1, 4):
-        grads = make_grads(seed=step)
-        by_ref.step(grads, grad_scale=0.5)
-        for i, p in enumerate(by_kernel.params):  # what FlatAdamW.step does on CUDA, at a small block
-            master, param = (by_kernel.master[i], p) if by_kernel.master is not None else (p, None)
-            launch(master, by_kernel.exp_avg[i], by_kernel.exp_avg_sq[i], grads[i], by_kernel.decay_masks[i], param,
-                   lr=3e-3, beta1=betas[0], beta2=betas[1], eps=1e-8, weight_decay=0.1, step=step, grad_scale=0.5,
-                   block_size=BLOCK)
+        grads = make_grads(seed=step, device=device)
+        step_units(by_ref, adamw_step_ref, grads, step, **kw)
+        step_units(by_kernel, kernel(), grads, step, block_size=BLOCK, **kw)
         for i in range(len(SIZES)):
             for name in ("params", "exp_avg", "exp_avg_sq") + (("master",) if by_ref.master else ()):
                 assert_bitwise(getattr(by_kernel, name)[i], getattr(by_ref, name)[i], f"step {step} {name}[{i}]")
@@ -210,7 +218,7 @@ def test_kernel_matches_reference_bitwise(dtype, master_weights, betas):
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy on the NaNs
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # numpy: fp16 overflow to inf
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_rounds_like_tensor_to(dtype):
+def test_kernel_rounds_like_tensor_to(device, dtype):
     """With lr = 0 and zero grads the step only writes round(master): ties, subnormals, signed zeros,
     overflow and NaN must come out as `master.to(dtype)` does."""
     info = torch.finfo(dtype)
@@ -222,28 +230,29 @@ def test_kernel_rounds_like_tensor_to(dtype):
     master = torch.tensor(ties + [-t for t in ties] + special, dtype=torch.float32)
     # NaNs whose payload carries into the sign/exponent if rounded naively
     nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001], dtype=torch.int32).view(torch.float32)
-    master = torch.cat([master, nans if dtype == torch.bfloat16 else nans[:0], torch.randn(300) * 100])
+    master = torch.cat([master, nans if dtype == torch.bfloat16 else nans[:0], torch.randn(300) * 100]).to(device)
     n = master.numel()
-    param = torch.empty(n, dtype=dtype)
-    zeros = torch.zeros(n)
-    kernel()(master.clone(), zeros.clone(), zeros.clone(), zeros.clone(), torch.ones(n, dtype=torch.uint8), param,
+    param = torch.empty(n, dtype=dtype, device=device)
+    zeros = torch.zeros(n, device=device)
+    kernel()(master.clone(), zeros.clone(), zeros.clone(), zeros.clone(),
+             torch.ones(n, dtype=torch.uint8, device=device), param,
              lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1, block_size=BLOCK)
-    expected = master.to(dtype)
+    expected = master.to(dtype)  # torch's cast on the same device
     nan = expected.isnan()
     assert torch.equal(param.isnan(), nan)  # NaN payloads differ between torch's own CPU and CUDA casts
     assert_bitwise(param[~nan], expected[~nan], f"fp32 -> {dtype}")
 
 
-def test_kernel_padding_stays_zero():
+def test_kernel_padding_stays_zero(device):
     n = 70
-    master, grad = torch.randn(n), torch.randn(n)
+    master, grad = torch.randn(n, device=device), torch.randn(n, device=device)
     master[-9:], grad[-9:] = 0, 0
-    m, v = torch.zeros(n), torch.zeros(n)
+    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
     for step in range(1, 3):
-        kernel()(master, m, v, grad, torch.ones(n, dtype=torch.bool), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                 weight_decay=0.1, step=step, block_size=64)
+        kernel()(master, m, v, grad, torch.ones(n, dtype=torch.bool, device=device), lr=1e-2, beta1=0.9,
+                 beta2=0.999, eps=1e-8, weight_decay=0.1, step=step, block_size=64)
     for t in (master, m, v):
-        assert torch.equal(t[-9:], torch.zeros(9))
+        assert torch.equal(t[-9:], torch.zeros(9, device=device))
 
 
 def test_cpu_dispatches_to_reference():
@@ -480,19 +489,17 @@ def test_split_master_follows_the_fp32_master():
         FlatAdamW(make_units(dtype=torch.float32)[0], masks, lr=1e-3, master_weights="split")
 
 
-def test_kernel_split_master_matches_reference_bitwise():
-    params, masks = make_units(dtype=torch.bfloat16)
+def test_kernel_split_master_matches_reference_bitwise(device):
+    params, masks = make_units(dtype=torch.bfloat16, device=device)
     by_ref = FlatAdamW([p.clone() for p in params], masks, lr=3e-3, weight_decay=0.1, master_weights="split")
     by_kernel = copy.deepcopy(by_ref)
     launch = kernel()
+    kw = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, grad_scale=0.5)
     for step in range(1, 4):
-        grads = make_grads(seed=step)
+        grads = make_grads(seed=step, device=device)
         grads[2][7] = float("nan")  # a NaN gradient: both sides keep the weight NaN, not 0
-        by_ref.step(grads, grad_scale=0.5)
-        for i, p in enumerate(by_kernel.params):
-            launch(by_kernel.master_lo[i], by_kernel.exp_avg[i], by_kernel.exp_avg_sq[i], grads[i],
-                   by_kernel.decay_masks[i], p, lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                   step=step, grad_scale=0.5, block_size=BLOCK)
+        step_units(by_ref, adamw_step_ref, grads, step, **kw)
+        step_units(by_kernel, launch, grads, step, block_size=BLOCK, **kw)
         for i in range(len(SIZES)):
             for name in ("params", "master_lo", "exp_avg", "exp_avg_sq"):
                 assert_bitwise(getattr(by_kernel, name)[i], getattr(by_ref, name)[i], f"step {step} {name}[{i}]")
