@@ -22,9 +22,9 @@ def build(name="tiny-qwen2", **overrides):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
 
 
-def engine_for(hf, tp=1):
-    return he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", tp_generation=tp, max_model_len=64,
-                                                max_num_seqs=4))
+def engine_for(hf, tp=1, device="cpu"):
+    return he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device=str(device), tp_generation=tp,
+                                                max_model_len=64, max_num_seqs=4))
 
 
 def batch(step, rank=0, vocab=128):
@@ -50,16 +50,19 @@ def natural_optimizer_state(engine, key):
     return checkpoint._natural_units(engine.sharded.layout, everyone)
 
 
-def test_resume_is_bitwise_identical(tmp_path):
-    straight = engine_for(build())
+def test_resume_is_bitwise_identical(tmp_path, device):
+    """On the test device (CUDA: the training step must repeat bit for bit, so no atomics-ordered sums);
+    the loaded engine runs where the saved one did."""
+    straight = engine_for(build(), device=device)
     for step in range(4):
         straight.ppo_step(batch(step), CFG)
-    first = engine_for(build())
+    first = engine_for(build(), device=device)
     for step in range(2):
         first.ppo_step(batch(step), CFG)
     first.save(tmp_path / "ck")
     torch.manual_seed(123)  # the RNG state comes back from the checkpoint, not from here
     resumed = he.HybridEngine.load(tmp_path / "ck")
+    assert resumed.device.type == device.type
     for step in range(2, 4):
         resumed.ppo_step(batch(step), CFG)
     for name, w in full_state_dict(straight.sharded).items():
@@ -217,12 +220,12 @@ def test_load_names_a_parameter_the_checkpoint_lacks_or_shapes_otherwise(tmp_pat
         he.HybridEngine.load(tmp_path / "ck")
 
 
-def test_split_master_engine_trains_like_fp32_master_and_resumes_bitwise(tmp_path):
+def test_split_master_engine_trains_like_fp32_master_and_resumes_bitwise(tmp_path, device):
     """EngineConfig(split_master=True), bf16: the same training as fp32 masters up to the bf16 weights'
     tie rounding (their masters agree to bf16 precision after 3 steps), 2 bytes of optimizer state per
-    parameter less, and save -> load -> step continues bit for bit."""
+    parameter less, and save -> load -> step continues bit for bit (on the test device)."""
     def make(split):
-        return he.HybridEngine(build(), he.EngineConfig(dtype=torch.bfloat16, device="cpu", max_model_len=64,
+        return he.HybridEngine(build(), he.EngineConfig(dtype=torch.bfloat16, device=str(device), max_model_len=64,
                                                         max_num_seqs=4, split_master=split))
 
     full, split = make(False), make(True)
@@ -245,7 +248,7 @@ def test_split_master_engine_trains_like_fp32_master_and_resumes_bitwise(tmp_pat
         first.ppo_step(batch(step), CFG)
     first.save(tmp_path / "ck")
     resumed = he.HybridEngine.load(tmp_path / "ck")
-    assert resumed.config.split_master
+    assert resumed.config.split_master and resumed.device.type == device.type
     for step in range(2, 4):
         resumed.ppo_step(batch(step), CFG)
     for a, b in zip(resumed.sharded.shard_views(), straight.sharded.shard_views()):
