@@ -107,10 +107,12 @@ def reference_run(hf, batches, first_grads: dict | None = None, dtype=torch.floa
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def engine_run(hf, batches, rank, tp, checkpointing=True, fused_training=False, keep_grads=False):
-    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", tp_generation=tp,
+def engine_run(hf, batches, rank, tp, checkpointing=True, fused_training=False, keep_grads=False, device="cpu"):
+    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device=str(device), tp_generation=tp,
                                                  max_model_len=64, max_num_seqs=4, fused_training=fused_training,
                                                  keep_grads=keep_grads))
+    if fused_training and engine.device.type != "cuda":
+        engine.trainer.fused = True  # the engine runs the fused ops on CUDA only; the caller patched them onto CPU
     cfg = he.PPOConfig(**CFG, activation_checkpointing=checkpointing)
     losses = []
     for per_rank in batches:
@@ -184,28 +186,33 @@ def test_single_process_matches_torch_reference(checkpointing):
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
-def test_fused_training_kernels_match_torch_reference(monkeypatch, checkpointing):
+def test_fused_training_kernels_match_torch_reference(monkeypatch, device, checkpointing):
     """EngineConfig(fused_training=True): the layers' RMSNorm, RoPE and SiLU * up run as the Triton
-    autograd ops (forced here onto CPU tensors, under the interpreter); the loss and every parameter's
-    gradient of a step equal the plain torch reference's (fp32: 1e-4 relative, the kernels' formulas
-    differ from autograd's chain only in rounding), on a model with q/k norms (Qwen3) and one with
-    q/k/v biases (Qwen2)."""
-    from hybridengine.ops import fused
+    autograd ops (on the test device: on CPU forced onto CPU tensors, under the interpreter); the loss
+    and every parameter's gradient of a step equal the plain torch reference's (fp32: 1e-4 relative,
+    the kernels' formulas differ from autograd's chain only in rounding), on a model with q/k norms
+    (Qwen3) and one with q/k/v biases (Qwen2)."""
+    if device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton ops on CPU tensors run only under TRITON_INTERPRET=1")
+        from hybridengine.ops import _launch
 
-    monkeypatch.setattr(fused, "_use_kernel", lambda t: True)
+        monkeypatch.setattr(_launch, "use_kernel", lambda t: True)
     for name in ("tiny-qwen2", "tiny-qwen3"):
         hf = build(name)
         batches = make_batches(hf, 1, steps=3)
         ref_grads: dict = {}
         ref_losses, _ = reference_run(hf, batches[:1], first_grads=ref_grads)
-        engine, losses = engine_run(hf, batches[:1], 0, 1, checkpointing, fused_training=True, keep_grads=True)
+        engine, losses = engine_run(hf, batches[:1], 0, 1, checkpointing, fused_training=True, keep_grads=True,
+                                    device=device)
+        assert engine.trainer.fused
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         # The gradients themselves (N = 1: each unit's shard is its natural layout), before Adam, which
         # would amplify fp32-formula differences where a gradient is near eps.
         sh, grads = engine.sharded, engine.trainer.grads
         for u, unit in enumerate(sh.layout.units):
             for spec in unit.params:
-                got = sh.natural_view(grads[u], spec.name)
+                got = sh.natural_view(grads[u], spec.name).cpu()
                 torch.testing.assert_close(got, ref_grads[spec.name], rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"{name} {spec.name}: {m}")
 

@@ -162,8 +162,7 @@ class Trainer:
         host_ids = ids
         ids, positions = ids.to(self.device), positions.to(self.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
-        attn = PackedAttention(cu)
-        attn.fused_train = self.fused
+        attn = PackedAttention(cu, fused=self.fused)
         return ids, cos, sin, attn, cu, host_ids
 
     def _forward_layers(self, ids, cos, sin, attn, keep_inputs: bool):
