@@ -64,8 +64,8 @@ class TPGroup:
 
 
 def generate(runner: ModelRunner, sampler: Sampler, prompts: list[list[int]], params: list[SamplingParams], *,
-             config: EngineConfig, tp: TPGroup | None = None, progress: bool = False,
-             ) -> tuple[list[RequestOutput], dict[str, float]]:
+             config: EngineConfig, tp: TPGroup | None = None,
+             progress: bool = False) -> tuple[list[RequestOutput], dict[str, float]]:
     """Run checked requests to completion; returns (outputs in prompt order, samples in index order;
     the call's stats: generate_s, steps, decode_s, preemptions, cuda_graph_capture_s, async_steps)."""
     device = runner.device
