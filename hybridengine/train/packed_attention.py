@@ -45,15 +45,6 @@ class PackedAttention:
     def kernels(self) -> Kernels:
         return Kernels.TRAIN if self.fused else Kernels.TORCH
 
-    @property
-    def fused_train(self) -> bool:
-        """`fused` under the name the trainer sets after construction; pass `fused=` instead."""
-        return self.fused
-
-    @fused_train.setter
-    def fused_train(self, value: bool) -> None:
-        self.fused = value
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None) -> torch.Tensor:
         if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and PackedAttention._varlen_failed is None:
