@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridengine.train.optimizer import adamw_scalars, check_unit
+from hybridengine.train.optimizer import adamw_scalars
 
 BLOCK_SIZE = 2048
-"""Elements per program: 8 per thread at 8 warps (two 16-byte loads per fp32 stream). Not tuned on
-the GPU yet."""
+"""Elements per program: 8 per thread at 8 warps (two 16-byte loads per fp32 stream); not tuned (the
+kernel is bound by HBM)."""
 NUM_WARPS = 8
 
 
@@ -88,13 +88,22 @@ def adamw_step_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
                 decay_mask: torch.Tensor, param: torch.Tensor | None = None, *, lr: float, beta1: float,
                 beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
                 block_size: int | None = None) -> None:
-    """`adamw_step_ref` in one Triton launch: same arguments, same results, in place."""
-    check_unit("adamw_step_", master, exp_avg, exp_avg_sq, grad, decay_mask, param)
+    """`adamw_step_ref` in one Triton launch: same arguments, same results, in place. Internal: the
+    caller (`FlatAdamW`) built the tensors and validated the step, so the checks are asserts."""
+    n = master.numel()
+    units = (exp_avg, exp_avg_sq, grad, decay_mask) + (() if param is None else (param,))
+    assert all(t.shape == (n,) and t.is_contiguous() and t.device == master.device for t in (master, *units)), \
+        "adamw_step_: master, moments, grad, mask and param must be contiguous [n] tensors on one device"
+    assert exp_avg.dtype == exp_avg_sq.dtype == grad.dtype == torch.float32, "adamw_step_: fp32 moments and grad"
+    assert decay_mask.dtype in (torch.uint8, torch.bool), "adamw_step_: a uint8 or bool decay mask"
+    assert param is None or param.dtype in (torch.bfloat16, torch.float16, torch.float32), "adamw_step_: param dtype"
+    assert (master.dtype in (torch.bfloat16, torch.float16, torch.float32) if master.dtype != torch.int16
+            else param is not None and param.dtype == torch.bfloat16), \
+        "adamw_step_: a bf16/fp16/fp32 master, or an int16 low half with its bf16 param"
     if block_size is None:
         block_size = BLOCK_SIZE
     elif block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
-    n = master.numel()
     if n == 0:
         return
     s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)

@@ -378,21 +378,29 @@ def test_bad_schedule_value_changes_nothing():
 
 @pytest.mark.parametrize("launcher", ["reference", "kernel"])
 def test_unit_errors(launcher):
+    """The public reference names the bad argument (ValueError); the kernel's launcher, internal
+    (FlatAdamW validates), rejects the same calls with an assert."""
     step = adamw_step_ref if launcher == "reference" else kernel()
     name = "adamw_step_ref" if launcher == "reference" else "adamw_step_"
+
+    def rejects(match):
+        if launcher == "kernel":
+            return pytest.raises(AssertionError, match=f"{name}: ")
+        return pytest.raises(ValueError, match=f"{name}: {match}")
+
     n = 8
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
     master, m, v, g = (torch.zeros(n) for _ in range(4))
     mask = torch.ones(n, dtype=torch.bool)
-    with pytest.raises(ValueError, match=f"{name}: exp_avg must be torch.float32, got torch.bfloat16"):
+    with rejects("exp_avg must be torch.float32, got torch.bfloat16"):
         step(master, m.bfloat16(), v, g, mask, **kw)
-    with pytest.raises(ValueError, match=f"{name}: grad must be a contiguous 1-D tensor of 8 elements"):
+    with rejects("grad must be a contiguous 1-D tensor of 8 elements"):
         step(master, m, v, torch.zeros(9), mask, **kw)
-    with pytest.raises(ValueError, match=f"{name}: decay_mask must be torch.uint8 or torch.bool"):
+    with rejects("decay_mask must be torch.uint8 or torch.bool"):
         step(master, m, v, g, mask.float(), **kw)
-    with pytest.raises(ValueError, match=f"{name}: master must be bf16, fp16, fp32 or int16"):
+    with rejects("master must be bf16, fp16, fp32 or int16"):
         step(master.double(), m, v, g, mask, **kw)
-    with pytest.raises(ValueError, match=f"{name}: param must be"):
+    with rejects("param must be"):
         step(master, m, v, g, mask, torch.zeros(n, dtype=torch.int32), **kw)
     if launcher == "kernel":
         with pytest.raises(ValueError, match="block_size must be a power of two >= 16"):
@@ -503,9 +511,13 @@ def test_kernel_split_master_matches_reference_bitwise(device):
         for i in range(len(SIZES)):
             for name in ("params", "master_lo", "exp_avg", "exp_avg_sq"):
                 assert_bitwise(getattr(by_kernel, name)[i], getattr(by_ref, name)[i], f"step {step} {name}[{i}]")
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    unit = (by_kernel.master_lo[0], by_kernel.exp_avg[0], by_kernel.exp_avg_sq[0], make_grads(device=device)[0],
+            by_kernel.decay_masks[0], None)
     with pytest.raises(ValueError, match="an int16 master \\(split\\) needs the bf16 param"):
-        launch(by_kernel.master_lo[0], by_kernel.exp_avg[0], by_kernel.exp_avg_sq[0], make_grads()[0],
-               by_kernel.decay_masks[0], None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+        adamw_step_ref(*unit, **kw)
+    with pytest.raises(AssertionError, match="an int16 low half with its bf16 param"):
+        launch(*unit, **kw)
 
 
 @pytest.mark.gpu

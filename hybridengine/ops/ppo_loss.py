@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridengine import checks
 from hybridengine.ops._ext import warn_once
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -91,6 +92,11 @@ class LossConfig:
     """token-mean, seq-mean-token-mean or seq-mean-token-sum."""
 
     def __post_init__(self):
+        for name in ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            if (value is not None or name != "clip_ratio_c") and (isinstance(value, bool)
+                                                                   or not isinstance(value, (int, float))):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.loss_agg not in LOSS_AGGS:
@@ -114,13 +120,12 @@ def _check_temperature(temperature: float) -> None:
 def _check_head(op: str, hidden, weight, bias, targets) -> None:
     """hidden [B, T, H] float, weight [V, H] and bias [V] of hidden's dtype, targets [B, T] int; one device."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
-        raise ValueError(f"{op}: hidden must be a float [B, T, H] tensor, got "
-                         f"{_describe(hidden)}")
+        raise ValueError(f"{op}: hidden must be a float [B, T, H] tensor, got {checks.describe(hidden)}")
     if hidden.dtype not in (*KERNEL_DTYPES, torch.float64):
         raise ValueError(f"{op}: hidden must be bf16, fp16, fp32 or fp64, got {hidden.dtype}")
     B, T, H = hidden.shape
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != H or weight.shape[0] < 1:
-        raise ValueError(f"{op}: weight must be [V, H] with H = {H} (hidden's last dim), got {_describe(weight)}")
+        raise ValueError(f"{op}: weight must be [V, H] with H = {H} (hidden's last dim), got {checks.describe(weight)}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"{op}: weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
     if weight.device != hidden.device:
@@ -128,11 +133,11 @@ def _check_head(op: str, hidden, weight, bias, targets) -> None:
     V = weight.shape[0]
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != (V,):
-            raise ValueError(f"{op}: bias must be [V] = [{V}] or None, got {_describe(bias)}")
+            raise ValueError(f"{op}: bias must be [V] = [{V}] or None, got {checks.describe(bias)}")
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError(f"{op}: bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
     if not isinstance(targets, torch.Tensor) or targets.shape != (B, T):
-        raise ValueError(f"{op}: targets must be [B, T] = [{B}, {T}], got {_describe(targets)}")
+        raise ValueError(f"{op}: targets must be [B, T] = [{B}, {T}], got {checks.describe(targets)}")
     if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise ValueError(f"{op}: targets must be an integer tensor, got {targets.dtype}")
     if targets.device != hidden.device:
@@ -140,27 +145,16 @@ def _check_head(op: str, hidden, weight, bias, targets) -> None:
 
 
 def _check_bt(op: str, name: str, x, shape, device, *, floating: bool = True) -> None:
+    """x is a [B, T] tensor of `shape` on `device` (float unless `floating` is False)."""
     if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{op}: {name} must be [B, T] = {list(shape)}, got {_describe(x)}")
-    if floating and not x.is_floating_point():
-        raise ValueError(f"{op}: {name} must be a float tensor, got {x.dtype}")
-    if x.device != device:
-        raise ValueError(f"{op}: {name} is on {x.device}, expected {device}")
+        raise ValueError(f"{op}: {name} must be [B, T] = {list(shape)}, got {checks.describe(x)}")
+    checks.tensor(op, name, x, floating=floating, device=device)
 
 
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
-
-
-def _mask_bool(op: str, mask: torch.Tensor, shape, device) -> torch.Tensor:
+def _mask_bool(op: str, mask, shape, device, *, strict: bool) -> torch.Tensor:
+    """mask [B, T] as bool (strict: 0/1 checked here, one host sync; else by `_check_values`)."""
     _check_bt(op, "mask", mask, shape, device, floating=False)
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_complex():
-        raise ValueError(f"{op}: mask must be bool, integer or float 0/1, got {mask.dtype}")
-    return mask != 0
+    return checks.mask_bool(op, mask, shape, device, strict=strict)
 
 
 def _check_values(op: str, targets: torch.Tensor, vocab: int, mask: torch.Tensor | None,
@@ -352,7 +346,7 @@ def _check_policy(op, hidden, weight, bias, targets, old_logprobs, advantages, m
         _check_bt(op, "ref_logprobs", ref_logprobs, shape, device)
     elif cfg.kl_coef != 0:
         raise ValueError(f"{op}: kl_coef = {cfg.kl_coef} needs ref_logprobs")
-    mask_bool = _mask_bool(op, mask, shape, device)
+    mask_bool = _mask_bool(op, mask, shape, device, strict=False)  # 0/1 checked with the targets, one sync
     num_tokens = _check_values(op, targets, weight.shape[0], mask, mask_bool)
     return mask_bool, num_tokens
 
@@ -653,15 +647,14 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, loss_agg="token-m
     """
     op = "value_loss"
     if not isinstance(values, torch.Tensor) or values.dim() != 2 or not values.is_floating_point():
-        raise ValueError(f"{op}: values must be a float [B, T] tensor, got {_describe(values)}")
+        raise ValueError(f"{op}: values must be a float [B, T] tensor, got {checks.describe(values)}")
     shape, device = values.shape, values.device
     _check_bt(op, "old_values", old_values, shape, device)
     _check_bt(op, "returns", returns, shape, device)
-    mask_bool = _mask_bool(op, mask, shape, device)
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
-    if clip is not None and not (math.isfinite(clip) and clip >= 0):
-        raise ValueError(f"clip must be a finite number >= 0 or None, got {clip!r}")
+    mask_bool = _mask_bool(op, mask, shape, device, strict=True)
+    checks.one_of(op, "loss_agg", loss_agg, LOSS_AGGS)
+    if clip is not None:
+        checks.number(op, "clip", clip, low=0)
     dt = torch.promote_types(values.dtype, torch.float32)
     v, target = values.to(dt), returns.to(dt)
     loss = (v - target) ** 2

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridengine import checks
+
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
         lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +33,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
     _check_float(op, "rewards", rewards, dims=2)
     shape, device = rewards.shape, rewards.device
     _check_float(op, "values", values, shape=shape, device=device)
-    valid = _mask_bool(op, mask, shape, device)
+    valid = checks.mask_bool(op, mask, shape, device)
     _check_unit_interval(op, "gamma", gamma)
     _check_unit_interval(op, "lam", lam)
     dtype = _result_dtype(rewards, values)
@@ -69,7 +71,7 @@ def grpo_advantages(scores: torch.Tensor, group_size: int | None = None, *,
     returned as fp32 (fp64 for fp64 scores)."""
     op = "grpo_advantages"
     if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
-        raise ValueError(f"{op}: scores must be a 1-D tensor [num_samples], got {_describe(scores)}")
+        raise ValueError(f"{op}: scores must be a 1-D tensor [num_samples], got {checks.describe(scores)}")
     if scores.dtype == torch.bool or scores.is_complex():
         raise ValueError(f"{op}: scores must be a float or integer tensor, got {scores.dtype}")
     num_samples, device = scores.numel(), scores.device
@@ -107,7 +109,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps:
     result is 0 (the mean with shift_mean=False); no valid element: all zeros."""
     op = "whiten"
     _check_float(op, "x", x)
-    valid = _mask_bool(op, mask, x.shape, x.device)
+    valid = checks.mask_bool(op, mask, x.shape, x.device)
     if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
         raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
     dtype = _result_dtype(x)
@@ -129,19 +131,13 @@ def broadcast_to_tokens(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.T
     op = "broadcast_to_tokens"
     _check_float(op, "per_sample", per_sample, dims=1)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        raise ValueError(f"{op}: mask must be a [B, T] tensor, got {_describe(mask)}")
-    valid = _mask_bool(op, mask, (per_sample.shape[0], mask.shape[1]), per_sample.device)
+        raise ValueError(f"{op}: mask must be a [B, T] tensor, got {checks.describe(mask)}")
+    valid = checks.mask_bool(op, mask, (per_sample.shape[0], mask.shape[1]), per_sample.device)
     return torch.where(valid, per_sample[:, None], torch.zeros((), dtype=per_sample.dtype, device=mask.device))
 
 
 # --------------------------------------------------------------------------------------------
 # validation helpers
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
 
 
 def _result_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -150,35 +146,16 @@ def _result_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def _check_float(op: str, name: str, x, *, dims: int | None = None, shape=None, device=None) -> None:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise ValueError(f"{op}: {name} must be a float tensor, got {_describe(x)}")
+    """A float tensor (of `dims` dims, named [B, T] or [B]; of `shape`; on `device`)."""
+    checks.tensor(op, name, x, floating=True, shape=shape, device=device)
     if dims is not None and x.dim() != dims:
         expected = "[B, T]" if dims == 2 else "[B]"
         raise ValueError(f"{op}: {name} must be {expected}, got shape {tuple(x.shape)}")
-    if shape is not None and x.shape != shape:
-        raise ValueError(f"{op}: {name} must have shape {tuple(shape)} (rewards'), got {tuple(x.shape)}")
-    if device is not None and x.device != device:
-        raise ValueError(f"{op}: {name} is on {x.device}, expected {device}")
 
 
 def _check_unit_interval(op: str, name: str, value) -> None:
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1):
         raise ValueError(f"{op}: {name} must be a number in [0, 1], got {value!r}")
-
-
-def _mask_bool(op: str, mask, shape, device) -> torch.Tensor:
-    """mask as bool; integer/float masks must hold only 0 and 1 (one host sync)."""
-    if not isinstance(mask, torch.Tensor) or mask.shape != tuple(shape):
-        raise ValueError(f"{op}: mask must have shape {tuple(shape)}, got {_describe(mask)}")
-    if mask.device != device:
-        raise ValueError(f"{op}: mask is on {mask.device}, expected {device}")
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_complex():
-        raise ValueError(f"{op}: mask must be bool, integer or float 0/1, got {mask.dtype}")
-    if ((mask != 0) & (mask != 1)).any():
-        raise ValueError(f"{op}: mask must hold only 0 and 1")
-    return mask != 0
 
 
 def _group_index(op: str, group_ids, num_samples: int, device) -> tuple[torch.Tensor, int]:
@@ -187,7 +164,7 @@ def _group_index(op: str, group_ids, num_samples: int, device) -> tuple[torch.Te
         if group_ids.shape != (num_samples,) or group_ids.is_floating_point() or group_ids.is_complex() \
                 or group_ids.dtype == torch.bool:
             raise ValueError(f"{op}: group_ids must be an integer tensor [{num_samples}] (scores' length) or a "
-                             f"sequence of labels, got {_describe(group_ids)}")
+                             f"sequence of labels, got {checks.describe(group_ids)}")
         labels, inverse = torch.unique(group_ids.to(device), return_inverse=True)
         return inverse, labels.numel()
     if isinstance(group_ids, (str, bytes)) or not hasattr(group_ids, "__len__"):  # lists, tuples, numpy arrays

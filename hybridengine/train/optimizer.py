@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from hybridengine import checks
 from hybridengine.ops._ext import warn_once
 
 PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -87,13 +88,13 @@ def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 def check_unit(op: str, master, exp_avg, exp_avg_sq, grad, decay_mask, param) -> None:
     """One unit's tensors: 1-D, contiguous, same numel and device; moments and grad fp32; master
     and param bf16/fp16/fp32, or master int16 (the low half of a split master) with param bf16;
-    mask uint8/bool. Shared by the reference and the launcher."""
+    mask uint8/bool. The checks of the public reference; the kernel's launcher asserts the same."""
     if not isinstance(master, torch.Tensor) or master.dim() != 1 or master.stride(0) != 1:
-        raise ValueError(f"{op}: master must be a contiguous 1-D tensor, got {_describe(master)}")
+        raise ValueError(f"{op}: master must be a contiguous 1-D tensor, got {checks.describe(master)}")
     if master.dtype == torch.int16:
         if not isinstance(param, torch.Tensor) or param.dtype != torch.bfloat16:
             raise ValueError(f"{op}: an int16 master (split) needs the bf16 param it completes, got "
-                             f"{_describe(param)}")
+                             f"{checks.describe(param)}")
     elif master.dtype not in PARAM_DTYPES:
         raise ValueError(f"{op}: master must be bf16, fp16, fp32 or int16 (split), got {master.dtype}")
     n, device = master.numel(), master.device
@@ -104,7 +105,7 @@ def check_unit(op: str, master, exp_avg, exp_avg_sq, grad, decay_mask, param) ->
     for name, t, dtypes in named:
         if not isinstance(t, torch.Tensor) or t.shape != (n,) or (n and t.stride(0) != 1):
             raise ValueError(f"{op}: {name} must be a contiguous 1-D tensor of {n} elements (master's), "
-                             f"got {_describe(t)}")
+                             f"got {checks.describe(t)}")
         if t.dtype not in dtypes:
             raise ValueError(f"{op}: {name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
         if t.device != device:
@@ -152,12 +153,6 @@ def adamw_step_ref(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
         master.copy_(p)
         if param is not None:
             param.copy_(p)
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} tensor of shape {tuple(x.shape)} strides {x.stride()}"
-    return type(x).__name__
 
 
 def _check_finite(name: str, value) -> float:
@@ -216,21 +211,21 @@ class FlatAdamW:
                  lr: float | Callable[[int], float], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, master_weights: bool | None = None):
         if not isinstance(params, (list, tuple)) or not params:
-            raise ValueError(f"params must be a non-empty list of 1-D tensors, got {_describe(params)}")
+            raise ValueError(f"params must be a non-empty list of 1-D tensors, got {checks.describe(params)}")
         if not isinstance(decay_masks, (list, tuple)) or len(decay_masks) != len(params):
-            got = len(decay_masks) if isinstance(decay_masks, (list, tuple)) else _describe(decay_masks)
+            got = len(decay_masks) if isinstance(decay_masks, (list, tuple)) else checks.describe(decay_masks)
             raise ValueError(f"decay_masks must be a list of {len(params)} masks (one per param), got {got}")
         device = params[0].device if isinstance(params[0], torch.Tensor) else None
         for i, (p, mask) in enumerate(zip(params, decay_masks)):
             if not isinstance(p, torch.Tensor) or p.dim() != 1 or (p.numel() and p.stride(0) != 1):
-                raise ValueError(f"params[{i}] must be a contiguous 1-D tensor, got {_describe(p)}")
+                raise ValueError(f"params[{i}] must be a contiguous 1-D tensor, got {checks.describe(p)}")
             if p.dtype not in PARAM_DTYPES:
                 raise ValueError(f"params[{i}] must be bf16, fp16 or fp32, got {p.dtype}")
             if p.device != device:
                 raise ValueError(f"params[{i}] is on {p.device}, params[0] on {device}")
             if not isinstance(mask, torch.Tensor) or mask.shape != p.shape:
                 raise ValueError(f"decay_masks[{i}] must have the shape of params[{i}], {tuple(p.shape)}, got "
-                                 f"{_describe(mask)}")
+                                 f"{checks.describe(mask)}")
             if mask.dtype not in MASK_DTYPES:
                 raise ValueError(f"decay_masks[{i}] must be uint8 or bool, got {mask.dtype}")
             if mask.device != device:
@@ -272,12 +267,12 @@ class FlatAdamW:
         """One AdamW step with `grads[i] * grad_scale` (fp32 [numel of params[i]], already reduced
         over ranks; grad_scale carries the clipping factor). Writes the new weights into `params`."""
         if not isinstance(grads, (list, tuple)) or len(grads) != len(self.params):
-            got = len(grads) if isinstance(grads, (list, tuple)) else _describe(grads)
+            got = len(grads) if isinstance(grads, (list, tuple)) else checks.describe(grads)
             raise ValueError(f"grads must be a list of {len(self.params)} tensors (one per param), got {got}")
         for i, (g, p) in enumerate(zip(grads, self.params)):
             if not isinstance(g, torch.Tensor) or g.shape != p.shape or (g.numel() and g.stride(0) != 1):
                 raise ValueError(f"grads[{i}] must be a contiguous 1-D tensor of shape {tuple(p.shape)} "
-                                 f"(params[{i}]'s), got {_describe(g)}")
+                                 f"(params[{i}]'s), got {checks.describe(g)}")
             if g.dtype != torch.float32:
                 raise ValueError(f"grads[{i}] must be fp32, got {g.dtype}")
             if g.device != self.device:
@@ -324,7 +319,7 @@ class FlatAdamW:
         params are rewritten from the loaded masters, so params == round(master) holds again."""
         if not isinstance(state, dict) or set(state) != {"step", "exp_avg", "exp_avg_sq", "master"}:
             raise ValueError(f"state must be a dict with keys step, exp_avg, exp_avg_sq, master, got "
-                             f"{sorted(state) if isinstance(state, dict) else _describe(state)}")
+                             f"{sorted(state) if isinstance(state, dict) else checks.describe(state)}")
         step = state["step"]
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
@@ -340,7 +335,7 @@ class FlatAdamW:
             for i, (t, p) in enumerate(zip(tensors, self.params)):
                 if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != torch.float32:
                     raise ValueError(f"state['{key}'][{i}] must be an fp32 tensor of shape {tuple(p.shape)}, "
-                                     f"got {_describe(t)}")
+                                     f"got {checks.describe(t)}")
         with torch.no_grad():
             for key in ("exp_avg", "exp_avg_sq"):
                 for dst, src in zip(getattr(self, key), state[key]):
