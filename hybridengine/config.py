@@ -58,7 +58,7 @@ class EngineConfig:
     the same either way."""
     fused_training: bool = True
     """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
-    `hybridengine.ops.fused` instead of eager torch: fewer kernels and fewer saved tensors, so a faster
+    `hybridengine.ops` (rms_norm, rope, silu_mul) instead of eager torch: fewer kernels and fewer saved tensors, so a faster
     step and a lower peak. Ignored on CPU (eager torch there)."""
     split_master: bool | None = None
     """bf16: keep AdamW's fp32 master weights as the bf16 weights (their high half, rounded to nearest,

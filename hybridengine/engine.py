@@ -27,7 +27,7 @@ from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
 from hybridengine.rollout.runner import ModelRunner
 from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
-from hybridengine.sharding.buffer import FlatParamBuffer
+from hybridengine.sharding.switch import ShardedBuffer
 
 __all__ = ["CompletionOutput", "EngineConfig", "HybridEngine", "RequestOutput"]
 
@@ -66,8 +66,6 @@ class HybridEngine:
         the local shapes with the TP collectives installed; for a critic under TP, a meta skeleton
         (a critic never generates). Alone, the full model is built on the target device; sharded,
         each rank builds it on the CPU and keeps only its shards."""
-        from hybridengine.sharding.sharded import ShardedBuffer
-
         cfg, tp = self.config, self.config.tp_generation
         self.hf_config = hf_config_dict(source)
         full = load_model(source, dtype=cfg.dtype, device=self.device if self.world_size == 1 else "cpu", seed=cfg.seed)
@@ -80,7 +78,7 @@ class HybridEngine:
         specs = CausalLM(self.model_config, dtype=cfg.dtype, device="meta").flat_buffer.layout.specs
         self.sharded = ShardedBuffer(specs, dtype=cfg.dtype, device=self.device, tp_size=tp)
         self.sharded.load_(params)
-        buffer = FlatParamBuffer(self.sharded.layout, dtype=cfg.dtype, rank=self.rank, data=self.sharded.gen.data)
+        buffer = self.sharded.flat_buffer
         self.vocab_size = self.model_config.vocab_size
         self.tp_all_reduce = None
         self._tp: generator.TPGroup | None = None

@@ -129,7 +129,7 @@ def test_split_forward_equals_forward():
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-mistral"])
 def test_flat_layers_run_the_kernels_their_attention_declares(name):
     """The layers on packed flat tokens equal the dense forward per sequence, with the kernels the attention
-    backend declares (Kernels.TORCH: the module code; Kernels.TRAIN: ops.fused's autograd ops, their torch
+    backend declares (Kernels.TORCH: the module code; Kernels.TRAIN: the ops' autograd kernels, their torch
     reference on CPU); a Kernels.ROLLOUT backend is chained by hidden_states_paged, not by the layers."""
     from hybridengine.model.decoder import Kernels
     from hybridengine.train.packed_attention import PackedAttention
@@ -227,5 +227,6 @@ def test_model_never_imports_torch_distributed():
                 continue
             assert not any("distributed" in n for n in names), f"{module}:{node.lineno} uses {names}"
             rooms = ("hybridengine.engine", "hybridengine.rollout", "hybridengine.train", "hybridengine.sharding.sharded",
-                     "hybridengine.sharding.vmm", "hybridengine.sharding.checkpoint")
+                     "hybridengine.sharding.switch", "hybridengine.sharding.generation_memory", "hybridengine.sharding.vmm",
+                     "hybridengine.sharding.checkpoint")
             assert not any(n.startswith(rooms) for n in names), f"{module}:{node.lineno} imports {names}"

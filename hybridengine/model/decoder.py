@@ -9,7 +9,7 @@ this file never imports `torch.distributed`.
 Three forward paths:
 - dense, HF-compatible: `forward` / `hidden_states` over [B, T] (eager module code, autograd);
 - rollout over the paged KV cache: `hidden_states_paged` with the runner's attention metadata,
-  whose `kernels` is `Kernels.ROLLOUT` (the inference kernels of hybridengine.ops.fused) on CUDA
+  whose `kernels` is `Kernels.ROLLOUT` (the inference kernels of hybridengine.ops: rms_norm, silu_mul, kv_store) on CUDA
   and `Kernels.TORCH` (the module code) elsewhere;
 - training over packed sequences: the trainer calls each `DecoderLayer` on flat tokens with its
   `PackedAttention`, whose `kernels` is `Kernels.TRAIN` (the autograd kernels) or `Kernels.TORCH`.
@@ -28,7 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridengine.model.config import ModelConfig
-from hybridengine.ops import fused
+from hybridengine.ops.rms_norm import rms_norm, rms_norm_train
+from hybridengine.ops.rope import rope_train
+from hybridengine.ops.silu_mul import silu_mul, silu_mul_train
+from hybridengine.ops.stacked_rows import stacked_rows
 from hybridengine.sharding.buffer import FlatParamBuffer
 from hybridengine.sharding.layout import param_specs
 
@@ -42,10 +45,10 @@ class Kernels(Enum):
     TORCH = "torch"
     """The module code in eager torch (autograd-safe; the dense forward's arithmetic)."""
     ROLLOUT = "rollout"
-    """Inference (no autograd): the kernels of hybridengine.ops.fused, each residual add inside the
+    """Inference (no autograd): the kernels of hybridengine.ops (rms_norm, silu_mul), each residual add inside the
     next norm's kernel, one GEMM for q/k/v and one for gate/up, RoPE inside the KV store."""
     TRAIN = "train"
-    """Training: the autograd ops of hybridengine.ops.fused for the norms, RoPE and SiLU * up."""
+    """Training: the autograd ops of hybridengine.ops (rms_norm_train, rope_train, silu_mul_train) for the norms, RoPE and SiLU * up."""
 
 
 class FlatAttention(Protocol):
@@ -118,12 +121,12 @@ class _FlatOps:
     silu_mul: Callable
 
 
-_FLAT_OPS = {  # looked up in hybridengine.ops.fused at each call
+_FLAT_OPS = {
     Kernels.TORCH: _FlatOps(rms_norm=lambda x, norm: norm(x), rope=apply_rope_flat,
                             silu_mul=lambda gate, up: F.silu(gate) * up),
-    Kernels.TRAIN: _FlatOps(rms_norm=lambda x, norm: fused.rms_norm_train(x, norm.weight, norm.eps),
-                            rope=lambda q, k, cos, sin: fused.rope_train(q, k, cos, sin),
-                            silu_mul=lambda gate, up: fused.silu_mul_train(gate, up)),
+    Kernels.TRAIN: _FlatOps(rms_norm=lambda x, norm: rms_norm_train(x, norm.weight, norm.eps),
+                            rope=rope_train,
+                            silu_mul=silu_mul_train),
 }
 
 
@@ -172,11 +175,11 @@ class Attention(nn.Module):
     def forward_rollout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: FlatAttention,
                         layer_idx: int) -> torch.Tensor:
         """`forward_flat` with `Kernels.ROLLOUT`: q, k and v from one GEMM, the q/k norms as the kernels of
-        hybridengine.ops.fused, RoPE inside the KV store's kernel (`attend(..., rope=(cos, sin))`)."""
+        hybridengine.ops, RoPE inside the KV store's kernel (`attend(..., rope=(cos, sin))`)."""
         q, k, v = self._qkv_one_gemm(x)
         if self.q_norm is not None:
-            q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         out = attn.attend(layer_idx, q, k, v, self.sliding_window, rope=(cos, sin))
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
@@ -190,8 +193,8 @@ class Attention(nn.Module):
         """`_qkv` as one GEMM over the adjacent q/k/v weights (and biases): strided views of one output;
         three GEMMs where they are not adjacent."""
         p = (self.q_proj, self.k_proj, self.v_proj)
-        weight = fused.stacked_rows(*(m.weight for m in p))
-        bias = None if p[0].bias is None else fused.stacked_rows(*(m.bias for m in p))
+        weight = stacked_rows(*(m.weight for m in p))
+        bias = None if p[0].bias is None else stacked_rows(*(m.bias for m in p))
         if weight is None or (p[0].bias is not None and bias is None):
             return self._qkv(x)
         N, D = x.shape[0], self.head_dim
@@ -238,18 +241,18 @@ class DecoderLayer(nn.Module):
                         attn: FlatAttention, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `Kernels.ROLLOUT` layer on (normed input h, residual stream): returns (MLP output, residual
         after the attention), whose sum is the layer's output. The caller adds them inside the next norm
-        kernel (`fused.rms_norm(mlp_out, w, eps, residual=...)`), so no layer spends a kernel on that add."""
+        kernel (`rms_norm(mlp_out, w, eps, residual=...)`), so no layer spends a kernel on that add."""
         norm2, mlp = self.post_attention_layernorm, self.mlp
         a = self.self_attn.forward_rollout(h, cos, sin, attn, layer_idx)
-        h, residual = fused.rms_norm(a, norm2.weight, norm2.eps, residual=residual)
-        gate_up = None if mlp.gate_proj.bias is not None else fused.stacked_rows(mlp.gate_proj.weight,
+        h, residual = rms_norm(a, norm2.weight, norm2.eps, residual=residual)
+        gate_up = None if mlp.gate_proj.bias is not None else stacked_rows(mlp.gate_proj.weight,
                                                                                  mlp.up_proj.weight)
         if gate_up is not None:  # one GEMM for both projections (adjacent in the flat buffer)
             gu = F.linear(h, gate_up)
             inter = mlp.gate_proj.weight.shape[0]
-            act = fused.silu_mul(gu[..., :inter], gu[..., inter:])
+            act = silu_mul(gu[..., :inter], gu[..., inter:])
         else:
-            act = fused.silu_mul(mlp.gate_proj(h), mlp.up_proj(h))
+            act = silu_mul(mlp.gate_proj(h), mlp.up_proj(h))
         return mlp.down_proj(act), residual
 
 
@@ -337,11 +340,11 @@ class CausalLM(nn.Module):
             return self.model.norm(x)
         # Each residual add rides in the next norm's kernel.
         first = layers[0].input_layernorm if len(layers) else self.model.norm
-        h, residual = fused.rms_norm(x, first.weight, first.eps), x
+        h, residual = rms_norm(x, first.weight, first.eps), x
         for i, layer in enumerate(layers):
             out, residual = layer.forward_rollout(h, residual, cos, sin, attn, i)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, residual = fused.rms_norm(out, norm.weight, norm.eps, residual=residual)
+            h, residual = rms_norm(out, norm.weight, norm.eps, residual=residual)
         return h
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from hybridengine.model.decoder import Kernels
-from hybridengine.ops import attention as attn_ops
+from hybridengine.ops.kv_store import rope_store_kv, store_kv
+from hybridengine.ops.paged_attention import paged_decode_attention
+from hybridengine.ops.prefill_attention import prefill_attention
 from hybridengine.rollout.kv_cache import KVCache
 from hybridengine.rollout.scheduler import Batch
 from hybridengine.rollout.sequence import PLACEHOLDER, Sequence
@@ -34,7 +36,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     fused: bool = False
-    """The layers run the rollout's fused kernels (`Kernels.ROLLOUT`, hybridengine.ops.fused; the runner
+    """The layers run the rollout's fused kernels (`Kernels.ROLLOUT`, hybridengine.ops; the runner
     sets it on CUDA) instead of the module code (`Kernels.TORCH`)."""
 
     @property
@@ -47,14 +49,14 @@ class AttentionMetadata:
         are not rotated yet; the rotation and the store run as one kernel (`attention.rope_store_kv`)."""
         k_cache, v_cache = self.kv.layers[layer]
         if rope is None:
-            attn_ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         else:
-            q, k = attn_ops.rope_store_kv(q, k, v, *rope, k_cache, v_cache, self.slot_mapping)
+            q, k = rope_store_kv(q, k, v, *rope, k_cache, v_cache, self.slot_mapping)
         if self.is_prefill:
-            return attn_ops.prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale=self.scale,
+            return prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale=self.scale,
                                               sliding_window=sliding_window, max_seqlen_q=self.max_seqlen,
                                               max_seqlen_k=self.max_seqlen)
-        return attn_ops.paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens,
+        return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens,
                                                scale=self.scale, sliding_window=sliding_window)
 
 

@@ -38,7 +38,7 @@ class PackedAttention:
         self.cu = cu_seqlens
         self._cu_device: torch.Tensor | None = None
         self.fused = fused
-        """The layers run the autograd Triton ops of hybridengine.ops.fused (`Kernels.TRAIN`,
+        """The layers run the autograd Triton ops of hybridengine.ops (`Kernels.TRAIN`,
         EngineConfig.fused_training) instead of the module code (`Kernels.TORCH`)."""
 
     @property
