@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hybridengine.model.config import ModelConfig, RopeConfig
 from hybridengine.ops import segment_copy
 from hybridengine.sharding.layout import ParamSpec, ShardedLayout
-from hybridengine.sharding.sharded import ShardedBuffer
+from hybridengine.sharding.switch import ShardedBuffer
 
 FORMAT = 1
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
