@@ -6,7 +6,7 @@ M / 1024 sequences of 1024 (CPU: H = 64, V = 1000, M in {256, 1024}). The loss i
 token masked in (padding would favour hybridengine, which skips masked-out tokens).
 
 TFLOP/s counts 6*M*H*V for every provider: the floor of a forward + backward that computes the
-logits once (DESIGN.md: 136 ms at 789 TFLOP/s for M = 32k). Peak extra memory (`peak_GiB`, case
+logits once. Peak extra memory (`peak_GiB`, case
 scope "extra") is torch's allocator peak during one call minus what was allocated before it, the
 gradients of hidden and weight included (their size is in the case as grads_GiB).
 
@@ -40,7 +40,8 @@ SEQ_GPU, SEQ_CPU = 1024, 128
 LOSS = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_estimator="k3", loss_agg="token-mean")
 CHUNK_SWEEP = {32768: (1024, 2048, 4096, 8192), 131072: (256, 1024, 3456)}
 NAIVE_BYTES_PER_LOGIT = 16
-"""torch_ref's peak extra per logit: 75 GiB at M = 32k, V = 152k (DESIGN.md). Used to skip M where it cannot fit."""
+"""torch_ref's peak extra per logit (the fp32 logits, their log-softmax and its gradient). Used to skip M where
+it cannot fit."""
 SECONDS_PER_PROVIDER = 15.0
 """Repeats are cut so that one provider at one M measures for about this long (Liger at 128k: ~8 s a call)."""
 

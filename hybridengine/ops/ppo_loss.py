@@ -50,9 +50,8 @@ METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 LOGITS_CHUNK_BYTES = 2**30
-"""Upper bound on the one [C, V] logits chunk. At V = 152064 bf16 it allows C <= 3530 tokens; measured
-on an H200 at M = 32k (bench/results, chunk sweep): 1024 rows 187 ms, 2048 rows 179 ms, 3328 rows
-173 ms, 8192 rows 169 ms per fwd+bwd: past ~2k rows a larger chunk buys little."""
+"""Upper bound on the one [C, V] logits chunk: C <= 3530 tokens at V = 152064 bf16. Past ~2k rows a
+larger chunk buys little (bench ppo_loss, the chunk sweep)."""
 LOSS_MEMORY_BYTES = 2 * 2**30
 """Target for the op's peak extra memory: the gradients it returns (grad_hidden [M, H], grad_weight
 [V, H], fp32 grad_bias) plus the logits chunk. The chunk gets what the gradients leave, between
@@ -85,7 +84,7 @@ class LossConfig:
     kl_coef: float = 0.0
     """Weight of agg(kl) in the loss; nonzero needs ref_logprobs."""
     kl_estimator: str = "k3"
-    """k1, k2 or k3 (http://joschu.net/blog/kl-approx.html)."""
+    """k1, k2 or k3: Schulman's estimators of KL(pi || ref) from samples of pi (`_kl`)."""
     entropy_coef: float = 0.0
     """Weight of -agg(entropy) in the loss."""
     loss_agg: str = "token-mean"

@@ -1,2 +1,4 @@
-"""Training: batches and micro-batch planning, the trainer (per-unit gather, prefetch, activation
-checkpointing, reduce-scatter), the flat-shard AdamW and the advantage estimators."""
+"""Training: `batch` (PPOBatch, micro-batch planning), `config` (PPOConfig, ValueConfig), `trainer`
+(per-unit gather and prefetch, activation checkpointing, reduce-scatter, the step), `released_params`
+(activations kept over released parameters), `packed_attention`, `optimizer` (the flat-shard AdamW)
+and `advantages` (GAE, GRPO and friends)."""

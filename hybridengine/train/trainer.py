@@ -2,10 +2,11 @@
 
 The training view of the parameters never exists as a whole. Forward runs unit by unit: gather the
 unit's shards from all ranks (`ShardedBuffer.gather_unit`, prefetching the next one), run it, drop
-it. Every decoder layer is activation-checkpointed: forward keeps only each layer's input; backward
+it. With activation checkpointing (the default) forward keeps only each layer's input; backward
 walks the layers in reverse, gathers the layer again, recomputes it with autograd, backpropagates,
 packs the parameter gradients to slice-major order and reduce-scatters them (fp32) into this rank's
-gradient shard. The loss is the fused `ppo_loss` over the LM head, so the [tokens, vocab] logits
+gradient shard. Without, forward keeps each layer's autograd graph over parameters it lets go of
+(`ReleasedParams`), and backward only gathers them again. The loss is the fused `ppo_loss` over the LM head, so the [tokens, vocab] logits
 never exist. The optimizer (`FlatAdamW`) updates fp32 master shards and writes the new bf16 weights
 straight into the shard inside the generation buffer: the next rollout sees them with no sync.
 
@@ -150,7 +151,10 @@ class Trainer:
     def _norm(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.skeleton.model.norm, {"weight": weight}, (x,))
 
-    def _pack_inputs(self, batch: PPOBatch, rows: list[int]):
+    def _pack_inputs(self, batch: PPOBatch, rows: list[int], embedding_rows: bool = False):
+        """The micro-batch's packed ids, RoPE tables, attention and cu_seqlens; with `embedding_rows`
+        also (distinct ids, each token's index among them) for `add_embedding_grad_`, found here, where
+        the device waits for the ids' copy anyway (on CUDA the count of distinct ids is a sync)."""
         if not rows:  # an empty micro-batch still takes part in every collective: one dummy sequence
             ids, positions, cu = torch.zeros(2, dtype=torch.long), torch.arange(2), [0, 2]
         else:
@@ -159,11 +163,11 @@ class Trainer:
             cu = [0]
             for b in rows:
                 cu.append(cu[-1] + batch.lengths[b])
-        host_ids = ids
         ids, positions = ids.to(self.device), positions.to(self.device)
+        id_index = torch.unique(ids, sorted=True, return_inverse=True) if embedding_rows else None
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         attn = PackedAttention(cu, fused=self.fused)
-        return ids, cos, sin, attn, cu, host_ids
+        return ids, cos, sin, attn, cu, id_index
 
     def _forward_layers(self, ids, cos, sin, attn, keep_inputs: bool):
         """Embedding and every layer without autograd; returns (final residual stream, layer inputs)."""
@@ -352,7 +356,7 @@ class Trainer:
             stats = self._micro_step(batch, rows, w, head_loss, cfg.activation_checkpointing)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + w * v
-        for u in self._fresh:  # a unit no micro-batch reduced (none today): zero gradient
+        for u in self._fresh:  # a unit no micro-batch reduced: zero gradient
             self._grads[u] = self._new_grad(u).zero_()
         grad_norm = self._clip_and_step(cfg)
         if not self.keep_grads:
@@ -363,7 +367,7 @@ class Trainer:
         return totals
 
     def _micro_step(self, batch: PPOBatch, rows: list[int], weight: float, head_loss, recompute: bool) -> dict:
-        ids, cos, sin, attn, cu, host_ids = self._pack_inputs(batch, rows)
+        ids, cos, sin, attn, cu, id_index = self._pack_inputs(batch, rows, embedding_rows=True)
         graphs = None
         if recompute:
             with torch.no_grad():
@@ -418,23 +422,10 @@ class Trainer:
         if tied_head_grad is not None:
             embed_grad.copy_(tied_head_grad)
             del tied_head_grad
-        self._add_embedding_grad_(embed_grad, host_ids, grad_x)
+        add_embedding_grad_(embed_grad, *id_index, grad_x)
         self._reduce(embed_u, natural=natural)
         self._finish_reduces()
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
-
-    def _add_embedding_grad_(self, embed_grad: torch.Tensor, host_ids: torch.Tensor, grad_x: torch.Tensor) -> None:
-        """embed_grad[v] += the sum of grad_x's rows at the tokens with id v, in the same order on every
-        run and device. `index_add_` over the tokens would be nondeterministic on CUDA (atomics: the
-        rows of a repeated id add in a varying order), so a step would not repeat bit for bit and a
-        resumed run would drift from an uninterrupted one. Instead the distinct ids are found on the
-        host (sorted; no device sync), the embedding backward sums each id's rows into a compact
-        [distinct ids, H] tensor (sorted segments, no atomics: deterministic on CUDA and CPU), and each
-        distinct row is added once. Extra work: one sort of the micro-batch's ids and [distinct ids, H]."""
-        distinct, inverse = torch.unique(host_ids, sorted=True, return_inverse=True)
-        distinct, inverse = distinct.to(self.device), inverse.to(self.device)
-        rows = torch.ops.aten.embedding_dense_backward(grad_x.float(), inverse, distinct.numel(), -1, False)
-        embed_grad.index_add_(0, distinct, rows)  # distinct indices: one add per element, no order to vary
 
     @torch.no_grad()
     def values(self, batch: PPOBatch, *, micro_batch_tokens: int = 16384) -> torch.Tensor:
@@ -493,7 +484,7 @@ class Trainer:
         if out is not None:
             self._grads[u] += out
 
-    def _clip_and_step(self, cfg: PPOConfig) -> float:
+    def _clip_and_step(self, cfg: PPOConfig | ValueConfig) -> float:
         # Replicated parameters have one copy per TP slice, each in some rank's shard: count 1/tg of each.
         tg = self.layout.tp_size
         # Sum of squares in one pass over each shard (fp32 norm, as torch's clip_grad_norm_), minus the
@@ -514,3 +505,18 @@ class Trainer:
         opt.lr, opt.betas, opt.eps, opt.weight_decay = cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay
         opt.step(self.grads, grad_scale=scale)
         return norm
+
+
+def add_embedding_grad_(embed_grad: torch.Tensor, distinct: torch.Tensor, inverse: torch.Tensor,
+                        grad_x: torch.Tensor) -> None:
+    """embed_grad[v] += the sum of grad_x's rows at the tokens with id v, in the same order on every run
+    and device: the micro-batch's `distinct` ids (sorted) and each token's index among them
+    (`torch.unique(ids, sorted=True, return_inverse=True)`).
+
+    `index_add_` over the tokens would be nondeterministic on CUDA (atomics: the rows of a repeated id
+    add in a varying order), so a step would not repeat bit for bit and a resumed run would drift from
+    an uninterrupted one. Here the embedding backward sums each id's rows into a compact [distinct
+    ids, H] tensor (sorted segments, no atomics on CUDA; in token order on the CPU), and each distinct
+    row is added once. Extra work: the sort of the micro-batch's ids and a [distinct ids, H] buffer."""
+    rows = torch.ops.aten.embedding_dense_backward(grad_x.float(), inverse, distinct.numel(), -1, False)
+    embed_grad.index_add_(0, distinct, rows)  # distinct indices: one add per element, no order to vary
