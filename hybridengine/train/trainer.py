@@ -30,7 +30,7 @@ from torch.func import functional_call
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM, rope_cos_sin
 from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
-from hybridengine.sharding.sharded import ShardedBuffer
+from hybridengine.sharding.switch import ShardedBuffer
 from hybridengine.train.batch import PPOBatch, plan_micro_batches
 from hybridengine.train.config import PPOConfig, ValueConfig
 from hybridengine.train.optimizer import FlatAdamW
