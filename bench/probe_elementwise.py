@@ -2,7 +2,7 @@
 
     python -m bench.probe_elementwise --out DIR
 
-`silu_mul_kernel` over gate/up views of one [B, 2 I] GEMM output (as `DecoderLayer.forward_fused` calls it)
+`silu_mul_kernel` over gate/up views of one [B, 2 I] GEMM output (as `DecoderLayer.forward_rollout` calls it)
 and `rms_norm_kernel` with the residual add, at B in {64, 128, 256} for Qwen2.5-1.5B (H 1536, I 8960) and
 Qwen2-7B (H 3584, I 18944), bf16, over a grid of BLOCK / num_warps; each launch timed in a CUDA graph
 (`common.graph_seconds`, 20 launches back to back on the same inputs: hot in L2, as in the step, where the

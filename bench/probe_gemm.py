@@ -17,14 +17,14 @@ weight_bytes; metric seconds per GEMM; plus provider "floor": the weight bytes a
 bandwidth), to $OUT/results.jsonl; `python -m bench report` tables them. `to_rows` converts a
 probe_gemm.json of an earlier run.
 
-Findings (session 9, H200; bench/results/profiles/probe_gemm_*_s9call*.json):
+Findings on an H200 (the rows are in bench/results/results.jsonl, bench decode_gemm):
 - TunableOp's only candidate on this torch build is cuBLAS's default ("Default" for every shape): same times.
 - cuBLAS at M = 128 reads the 1.5B qkv / o weights at 0.8-1.0 TB/s, gate_up / down at 2.0-2.7 TB/s; a
   1.5B decode step's GEMMs alone take 1.41 ms (its weights at HBM bandwidth: 0.75 ms); with its KV read at
   HBM bandwidth (GRPO case, 128 sequences at mean context 384: 0.33 ms) that is 1.6x the step's floor (1.09 ms).
 - A split-K Triton GEMM written for these shapes (one launch, the last split of a tile merging the fp32
   partials; commit 9908d11, removed since) was slower than cuBLAS at every shape, 1.06-2.7x its time with its plan
-  and 1.10-1.8x at the best of 15 configs (M = 128) (probe_gemm_triton_s9call4.json).
+  and 1.10-1.8x at the best of 15 configs (M = 128).
 """
 
 from __future__ import annotations
