@@ -153,8 +153,9 @@ class Trainer:
 
     def _pack_inputs(self, batch: PPOBatch, rows: list[int], embedding_rows: bool = False):
         """The micro-batch's packed ids, RoPE tables, attention and cu_seqlens; with `embedding_rows`
-        also (distinct ids, each token's index among them) for `add_embedding_grad_`, found here, where
-        the device waits for the ids' copy anyway (on CUDA the count of distinct ids is a sync)."""
+        also (distinct ids, each token's index among them) for `add_embedding_grad_`, found on the host
+        before the copy: on CUDA `torch.unique` would wait for the device (the count of distinct ids),
+        stalling the host at every micro-batch while the previous one's backward is still queued."""
         if not rows:  # an empty micro-batch still takes part in every collective: one dummy sequence
             ids, positions, cu = torch.zeros(2, dtype=torch.long), torch.arange(2), [0, 2]
         else:
@@ -163,8 +164,10 @@ class Trainer:
             cu = [0]
             for b in rows:
                 cu.append(cu[-1] + batch.lengths[b])
+        id_index = None
+        if embedding_rows:
+            id_index = tuple(t.to(self.device) for t in torch.unique(ids, sorted=True, return_inverse=True))
         ids, positions = ids.to(self.device), positions.to(self.device)
-        id_index = torch.unique(ids, sorted=True, return_inverse=True) if embedding_rows else None
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         attn = PackedAttention(cu, fused=self.fused)
         return ids, cos, sin, attn, cu, id_index
