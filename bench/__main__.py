@@ -1,4 +1,4 @@
-"""`python -m bench run --suite NAME --gpus N` | `python -m bench report` | `python -m bench list`.
+"""`python -m bench run --suite NAME --gpus N` | `python -m bench soak` | `python -m bench report` | `python -m bench list`.
 
 `run` with --gpus > 1 starts itself under torchrun (one process per GPU, `-m bench.worker`); all
 processes share one run id, and rank 0 appends the rows.
@@ -34,10 +34,18 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--readme", default=str(Path(__file__).resolve().parent.parent / "README.md"),
                      help="the README whose table between <!-- bench:begin --> and <!-- bench:end --> is rewritten")
     sub.add_parser("list", help="suites and their benches")
+    sub.add_parser("soak", help="the GRPO loop for minutes on varying shapes, memory and step time per step "
+                   "(see `python -m bench soak --help`)", add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "soak":  # its own options (bench/soak.py)
+        from .soak import main as soak_main
+
+        soak_main(argv[1:])
+        return
     args = parser().parse_args(argv)
     if args.command == "list":
         from .worker import SUITES

@@ -86,6 +86,61 @@ def test_prefill_attention_suite_rows_on_cpu(tmp_path):
     assert measured == {(p, m) for p in ("torch_ref", "sdpa") for m in ("seconds", "TFLOP_per_s")}
 
 
+def test_soak_rows_on_cpu(tmp_path):
+    """`bench soak` on a tiny model: a row per step with its shapes and readings, the summary row, the report."""
+    out = tmp_path / "rows.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HE_COMMIT": "test"}
+    env.pop("HE_BENCH_RUN_ID", None)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    proc = subprocess.run([sys.executable, "-m", "bench", "soak", "--cpu", "--model", "tiny-qwen2", "--steps", "3",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row in rows:
+        check_row(row)
+    assert {(r["bench"], r["provider"], r["model"], r["metric"]) for r in rows} == {
+        ("soak", "hybridengine", "tiny-qwen2", "seconds")}
+    steps = [r for r in rows if not r["case"].get("summary")]
+    assert [r["case"]["step"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        c = r["case"]
+        assert c["alloc_conf"] == "default" and c["fixed_shapes"] is False
+        assert 2 <= c["max_tokens"] <= 6 and c["response_tokens"] == 4 * c["max_tokens"]  # 2 prompts x 2 samples
+        assert c["tokens"] == c["trained_tokens"] > c["response_tokens"]
+        assert set(c["phases"]) == {"rollout", "log_probs", "update"} and sum(c["phases"].values()) <= r["value"]
+        assert set(c["memory_GiB"]) == {"nvml_used", "nvml_peak", "allocated", "reserved", "max_allocated",
+                                        "max_reserved"}
+        assert set(c["allocator"]) == {"segments", "cuda_mallocs", "alloc_retries"}
+        assert c["rollout"]["kv_blocks"] > 0
+    summary = [r for r in rows if r["case"].get("summary")]
+    assert len(summary) == 1 and rows[-1] is summary[0]
+    s = summary[0]["case"]
+    assert s["steps"] == 3 and s["warmup_steps"] == 1 and s["swing_GiB"]["nvml_peak"] is None  # no NVML on CPU
+    assert s["drift"] == pytest.approx(steps[2]["value"] / steps[1]["value"])
+    assert summary[0]["value"] == pytest.approx((steps[1]["value"] + steps[2]["value"]) / 2)
+    text = report(out, tmp_path / "report", tmp_path / "README.md").read_text()
+    assert "| tiny-qwen2 | 0 x cpu | default | no | 3 (1) |" in text
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "report" / "soak.png").exists()
+
+
+def test_soak_summary_swing_and_drift():
+    """Swing = half the range after the warm-up (the first 10%); drift = last fifth's median / the first fifth's."""
+    from bench.report.soak import summarize
+
+    def step(i: int, seconds: float, nvml: float | None) -> dict:
+        return dict(value=seconds, case=dict(step=i, tokens=100, memory_GiB=dict(nvml_peak=nvml, max_reserved=None)))
+
+    # 20 steps: 2 of warm-up (ignored, however large), then 18: fifths of 3 steps.
+    steps = [step(i, 9.0, 99.0) for i in range(2)] + [step(2 + i, 1.0 + (i >= 15), 40.0 + i % 3) for i in range(18)]
+    got = summarize(steps[::-1])
+    assert got["steps"] == 20 and got["warmup_steps"] == 2
+    assert got["swing_GiB"]["nvml_peak"] == 1.0 and got["range_GiB"]["nvml_peak"] == [40.0, 42.0]
+    assert got["swing_GiB"]["max_reserved"] is None and got["swing_GiB"]["reserved"] is None
+    assert got["drift"] == 2.0 and got["drift_per_token"] == 2.0 and len(got["step_seconds"]) == 18
+    assert summarize([step(0, 1.0, None)]) is None
+
+
 def synthetic_rows(path: Path) -> None:
     rec = Recorder(path=path, run_id="r1", gpu="NVIDIA H200", num_gpus=2, commit="abc", versions={"triton": "3"})
     rec.add("hbm_copy", "torch_copy", None, {"bytes": 2**32}, "GB_per_s", [4000.0, 4200.0, 4100.0])

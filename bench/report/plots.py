@@ -8,6 +8,7 @@ from pathlib import Path
 from .roofline import Floors
 from .rollout import default_generate
 from .rows import label, latest
+from .soak import soak_figure
 from .train import PPO_PROVIDERS
 
 
@@ -108,4 +109,8 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
                title=f"PPO loss over the LM head, {ppo[0]['gpu']}")
         ax.legend(fontsize=7)
         save(fig, "ppo_loss.png")
+
+    fig = soak_figure(rows, plt)
+    if fig is not None:
+        save(fig, "soak.png")
     return written

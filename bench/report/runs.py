@@ -7,7 +7,7 @@ from .rows import latest, shown_runs
 
 KNOWN_BENCHES = {"hbm_copy", "gemm", "all_gather", "switch", "switch_memory", "switch_batch_sweep", "unit_gather",
                  "generate", "decode_step", "train_step", "segment_copy", "sampler", "paged_attention", "ppo_loss",
-                 "ppo_e2e", "decode_gemm", "prefill_attention"}
+                 "ppo_e2e", "decode_gemm", "prefill_attention", "soak"}
 """Benches with a section of their own; the rest go to "Other benches"."""
 
 
