@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,20 +55,72 @@ class PPOBatch:
             if not isinstance(value, (list, tuple)):
                 raise ValueError(f"{op}.{name} must be a list of per-sequence tensors or None, got "
                                  f"{checks.describe(value)}")
-            if len(value) != len(ids):
-                raise ValueError(f"{op}.{name} has {len(value)} sequences, input_ids has {len(ids)}")
             rows = []
-            for b, (v, seq) in enumerate(zip(value, ids)):
-                v = _as_tensor(op, f"{name}[{b}]", v).to(torch.float32).reshape(-1)
-                if v.numel() != seq.numel() - 1:
-                    raise ValueError(f"{op}.{name}[{b}] has {v.numel()} entries; expected len(input_ids[{b}]) - 1 "
-                                     f"= {seq.numel() - 1} (one per target token)")
-                rows.append(v)
-            if name == "response_mask":
-                mask = torch.cat(rows)
-                if ((mask != 0) & (mask != 1)).any():  # one check for all sequences
-                    raise ValueError(f"{op}.response_mask must hold only 0 and 1")
+            for b, v in enumerate(value):
+                v = _as_tensor(op, f"{name}[{b}]", v)
+                if v.is_complex():
+                    raise ValueError(f"{op}.{name}[{b}] must hold real numbers, got {v.dtype}")
+                rows.append(v.to(torch.float32).reshape(-1))
             setattr(self, name, rows)
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None, *, op: str = "PPOBatch") -> None:
+        """Check the batch as it is now (its tensors may have been changed in place since construction):
+        every `input_ids[b]` is a 1-D integer tensor of at least 2 ids, in [0, vocab_size) when given;
+        every field has one entry per target token; `response_mask` holds only 0 and 1; every float
+        field is finite everywhere, masked positions included (a NaN there still reaches the loss and
+        the gradient: 0 * NaN = NaN). Raises ValueError naming the field and its first bad entry.
+
+        One reduction per field over the concatenated sequences (and one host sync); the bad entry is
+        searched for only on failure. The trainer calls it before a step's first collective."""
+        where = "PPOBatch." if op == "PPOBatch" else f"{op}: batch."
+        ids = self.input_ids
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError(f"{where}input_ids must hold at least one sequence, got {checks.describe(ids)}")
+        for b, t in enumerate(ids):
+            if (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex()
+                    or t.dtype == torch.bool):
+                raise ValueError(f"{where}input_ids[{b}] must be a 1-D integer tensor of token ids, got "
+                                 f"{checks.describe(t)}")
+            if t.numel() < 2:
+                raise ValueError(f"{where}input_ids[{b}] has {t.numel()} tokens; at least 2 are needed")
+        lengths = [int(t.numel()) for t in ids]
+        if vocab_size is not None:
+            checks.number(op, "vocab_size", vocab_size, low=1, integer=True)
+            flat = torch.cat(ids)
+            low, high = torch.stack(torch.aminmax(flat)).tolist()
+            if low < 0 or high >= vocab_size:
+                b, t, value = _first(flat, (flat < 0) | (flat >= vocab_size), lengths, 0)
+                raise ValueError(f"{where}input_ids[{b}][{t}] is token id {value}, outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        for name in _FIELDS:
+            rows = getattr(self, name)
+            if rows is None:
+                continue
+            if not isinstance(rows, (list, tuple)):
+                raise ValueError(f"{where}{name} must be a list of per-sequence tensors or None, got "
+                                 f"{checks.describe(rows)}")
+            if len(rows) != len(ids):
+                raise ValueError(f"{where}{name} has {len(rows)} sequences, input_ids has {len(ids)}")
+            for b, (v, n) in enumerate(zip(rows, lengths)):
+                if not isinstance(v, torch.Tensor) or v.dim() != 1 or not v.is_floating_point():
+                    raise ValueError(f"{where}{name}[{b}] must be a 1-D float tensor, got {checks.describe(v)}")
+                if v.numel() != n - 1:
+                    raise ValueError(f"{where}{name}[{b}] has {v.numel()} entries; expected len(input_ids[{b}]) - 1 "
+                                     f"= {n - 1} (one per target token)")
+            flat = torch.cat(rows)
+            if name == "response_mask":
+                bad = (flat != 0) & (flat != 1)  # NaN too
+                if bad.any():
+                    b, t, value = _first(flat, bad, lengths, 1)
+                    raise ValueError(f"{where}response_mask must hold only 0 and 1; response_mask[{b}][{t}] is "
+                                     f"{value}")
+                continue
+            low, high = torch.stack(torch.aminmax(flat)).tolist()  # a NaN propagates to both
+            if not (math.isfinite(low) and math.isfinite(high)):
+                b, t, value = _first(flat, ~torch.isfinite(flat), lengths, 1)
+                raise ValueError(f"{where}{name}[{b}][{t}] is {value}; every entry must be finite, masked "
+                                 "positions included")
 
     @property
     def lengths(self) -> list[int]:
@@ -80,6 +133,18 @@ class PPOBatch:
             v = getattr(self, name)[b]
             out[i, :v.numel()] = v
         return out.to(device)
+
+
+def _first(flat: torch.Tensor, bad: torch.Tensor, lengths: list[int], shift: int) -> tuple[int, int, object]:
+    """(sequence, position, value) of the first True of `bad` over the concatenated rows of a field
+    whose row b has lengths[b] - shift entries."""
+    i = int(bad.nonzero()[0, 0])
+    value = flat[i].item()
+    for b, n in enumerate(lengths):
+        if i < n - shift:
+            return b, i, value
+        i -= n - shift
+    raise AssertionError("index past the batch")
 
 
 def _as_tensor(op: str, name: str, x) -> torch.Tensor:

@@ -10,6 +10,8 @@ from hybridengine.ops.ppo_loss import LOSS_AGGS, LossConfig
 
 LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
 """The fields of `PPOConfig` that configure `ppo_loss` (validated by `LossConfig`)."""
+NONFINITE_GRAD = ("skip", "warn", "raise")
+"""What a step does when its gradient norm is NaN or inf (`_StepConfig.nonfinite_grad`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -21,30 +23,46 @@ class _StepConfig:
     micro_batch_tokens: int = 16384
     """Most tokens in one forward/backward (gradients accumulate over micro-batches)."""
     max_grad_norm: float | None = 1.0
-    """Global gradient-norm clipping; None: off."""
+    """Global gradient-norm clipping (> 0); None: off."""
+    nonfinite_grad: str = "warn"
+    """A step whose global gradient norm is NaN or inf never updates: weights and optimizer state (step
+    count included) stay as they were; its stats say `skipped=1` and `skipped_steps` counts such steps
+    over the trainer's life. 'skip': only that; 'warn': also a RuntimeWarning; 'raise': also a
+    FloatingPointError after the skip. The norm is all-reduced first, so every rank decides the same."""
     lr: float | Callable[[int], float] = 1e-6
-    """A float, or a schedule: step (from 1) -> learning rate."""
+    """A float > 0, or a schedule: step (from 1) -> learning rate (checked when the step uses it)."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's moment decays, each in [0, 1)."""
     eps: float = 1e-8
+    """AdamW's denominator term, > 0."""
     activation_checkpointing: bool = True
     """True: forward keeps only each layer's input and backward recomputes the layer (least memory).
     False: forward keeps every layer's autograd activations and backward only gathers the parameters
     again (no recompute: one layer forward less per layer, activations of all layers held)."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field. Runs on construction, and again where a step
+        takes the config (the dataclass is mutable)."""
+        self._check_step(type(self).__name__)
 
     def _check_step(self, op: str) -> None:
         checks.one_of(op, "loss_agg", self.loss_agg, LOSS_AGGS)
         checks.number(op, "micro_batch_tokens", self.micro_batch_tokens, low=1, integer=True)
         if self.max_grad_norm is not None:
             checks.number(op, "max_grad_norm", self.max_grad_norm, low=0, low_open=True)
+        checks.one_of(op, "nonfinite_grad", self.nonfinite_grad, NONFINITE_GRAD)
         if not callable(self.lr):
-            checks.number(op, "lr", self.lr, low=0)
+            checks.number(op, "lr", self.lr, low=0, low_open=True)
         checks.number(op, "weight_decay", self.weight_decay, low=0)
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
             raise ValueError(f"{op}: betas must be a pair of numbers in [0, 1), got {self.betas!r}")
         for b in self.betas:
             checks.number(op, "betas", b, low=0, high=1, high_open=True)
-        checks.number(op, "eps", self.eps, low=0)
+        checks.number(op, "eps", self.eps, low=0, low_open=True)
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"{op}: activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
 
@@ -63,7 +81,7 @@ class PPOConfig(_StepConfig):
     temperature: float = 1.0
     """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
 
-    def __post_init__(self):
+    def validate(self) -> None:
         self._check_step("PPOConfig")
         try:  # the loss knobs are validated where the loss defines them
             LossConfig(**{name: getattr(self, name) for name in LOSS_FIELDS})
@@ -84,7 +102,7 @@ class ValueConfig(_StepConfig):
     """Value clipping around old_values; None: off."""
     lr: float | Callable[[int], float] = 1e-5
 
-    def __post_init__(self):
+    def validate(self) -> None:
         self._check_step("ValueConfig")
         if self.clip is not None:
             checks.number("ValueConfig", "clip", self.clip, low=0, low_open=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,14 @@ class Trainer:
         self._decay, self._replicated = self._masks()
         # Where the replicated copies sit in each shard (few elements: norms and biases), for the grad norm.
         self._replicated_index = [r.nonzero().squeeze(1) for r in self._replicated]
+        # Validated before it is kept: a rejected config must not stay behind to fail every later call.
+        if optimizer_config is not None:
+            if not isinstance(optimizer_config, (PPOConfig, ValueConfig)):
+                raise ValueError(f"optimizer_config must be a PPOConfig or ValueConfig, got "
+                                 f"{type(optimizer_config).__name__}")
+            optimizer_config.validate()
         self._opt_config = optimizer_config or PPOConfig()
+        self.num_skipped_steps = 0  # optimizer steps skipped for a NaN/inf gradient norm (nonfinite_grad)
         # AdamW state (12 B/param with fp32 master weights) appears at the first optimizer step: an engine
         # that only scores (a reference model's log_probs) never holds it. Gradient shards (4 B/param) live
         # from a unit's first reduce-scatter of a step to the end of its optimizer step (unless keep_grads):
@@ -234,18 +242,15 @@ class Trainer:
         return out.to(self.device)
 
     def _check_batch(self, op: str, batch, fields: tuple[str, ...] = ()) -> None:
-        """batch is a PPOBatch whose token ids lie in the vocabulary and which has `fields`."""
+        """batch is a valid PPOBatch (`PPOBatch.validate`: token ids in the vocabulary, every float field
+        finite) which has `fields`; checked before the call's first collective."""
         if not isinstance(batch, PPOBatch):
             raise ValueError(f"{op}: batch must be a PPOBatch, got {type(batch).__name__}")
         missing = [name for name in fields if getattr(batch, name) is None]
         if missing:
             names = [f"batch.{name}" for name in fields]
             raise ValueError(f"{op} needs {', '.join(names[:-1])} and {names[-1]} (missing: {', '.join(missing)})")
-        low, high = torch.aminmax(torch.cat(batch.input_ids))
-        vocab = self.config.vocab_size
-        if int(low) < 0 or int(high) >= vocab:
-            bad = int(low) if int(low) < 0 else int(high)
-            raise ValueError(f"{op}: batch.input_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
+        batch.validate(self.config.vocab_size, op=op)
 
     # -- public ---------------------------------------------------------------------------------------
 
@@ -283,11 +288,13 @@ class Trainer:
         return (logp, ent) if return_entropy else logp
 
     def ppo_step(self, batch: PPOBatch, cfg: PPOConfig) -> dict:
-        """One optimizer step of the policy on this rank's batch; returns loss, metrics, grad_norm, lr, timings."""
+        """One optimizer step of the policy on this rank's batch; returns loss, metrics, grad_norm, lr, step,
+        skipped (1 when a NaN/inf gradient norm skipped the update), skipped_steps, timings."""
         if self.critic:
             raise ValueError("ppo_step is for the actor; this engine is a critic (use value_step)")
         if not isinstance(cfg, PPOConfig):
             raise ValueError(f"ppo_step: config must be a PPOConfig, got {type(cfg).__name__}")
+        cfg.validate()  # again: a config may have been changed since its construction
         self._check_batch("ppo_step", batch, ("response_mask", "old_logprobs", "advantages"))
         if cfg.kl_coef and batch.ref_logprobs is None:
             raise ValueError("PPOConfig.kl_coef > 0 needs batch.ref_logprobs")
@@ -309,6 +316,7 @@ class Trainer:
             raise ValueError("value_step needs a critic engine (HybridEngine(..., role='critic'))")
         if not isinstance(cfg, ValueConfig):
             raise ValueError(f"value_step: config must be a ValueConfig, got {type(cfg).__name__}")
+        cfg.validate()
         self._check_batch("value_step", batch, ("response_mask", "old_values", "returns"))
 
         def head_loss(h, head_w, rows, cu):
@@ -364,9 +372,23 @@ class Trainer:
         grad_norm = self._clip_and_step(cfg)
         if not self.keep_grads:
             self._grads = None  # back to the allocator's cache: the next forward's activations reuse it
-        opt = self.optimizer
-        totals.update(grad_norm=grad_norm, lr=opt.lr_at(opt.num_steps), step=opt.num_steps,
-                      micro_batches=len(groups), step_s=time.perf_counter() - t0)
+        opt = self._optimizer
+        step = opt.num_steps if opt is not None else 0
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.num_skipped_steps += 1
+            lr = cfg.lr(step + 1) if callable(cfg.lr) else cfg.lr  # what the skipped step would have used
+        else:
+            lr = opt.lr_at(step)
+        totals.update(grad_norm=grad_norm, lr=lr, step=step, skipped=int(skipped),
+                      skipped_steps=self.num_skipped_steps, micro_batches=len(groups), step_s=time.perf_counter() - t0)
+        if skipped and cfg.nonfinite_grad != "skip":
+            op = "ppo_step" if isinstance(cfg, PPOConfig) else "value_step"
+            message = (f"{op}: the gradient norm is {grad_norm}; the update was skipped (weights and optimizer "
+                       f"state unchanged, {self.num_skipped_steps} step(s) skipped so far)")
+            if cfg.nonfinite_grad == "raise":
+                raise FloatingPointError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
         return totals
 
     def _micro_step(self, batch: PPOBatch, rows: list[int], weight: float, head_loss, recompute: bool) -> dict:
@@ -488,6 +510,7 @@ class Trainer:
             self._grads[u] += out
 
     def _clip_and_step(self, cfg: PPOConfig | ValueConfig) -> float:
+        """The global gradient norm; when it is finite, the clipped AdamW step (none otherwise)."""
         # Replicated parameters have one copy per TP slice, each in some rank's shard: count 1/tg of each.
         tg = self.layout.tp_size
         # Sum of squares in one pass over each shard (fp32 norm, as torch's clip_grad_norm_), minus the
@@ -500,7 +523,9 @@ class Trainer:
                     sq = sq - (1 - 1 / tg) * torch.linalg.vector_norm(g[index]).double().square()
         if not self.sharded.local and self.sharded.world_size > 1:
             dist.all_reduce(sq, group=self.sharded.group)
-        norm = math.sqrt(max(float(sq), 0.0))
+        norm = math.sqrt(max(float(sq), 0.0))  # NaN stays NaN
+        if not math.isfinite(norm):  # the same on every rank (sq is all-reduced): no rank updates
+            return norm
         scale = 1.0
         if cfg.max_grad_norm is not None and norm > cfg.max_grad_norm:
             scale = cfg.max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
