@@ -31,14 +31,15 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV cache block (a power of 2)."""
     max_model_len: int = 4096
-    """Longest prompt + completion."""
+    """Longest prompt + completion; at most the model's max_position_embeddings (`check_model`)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use; the KV cache gets what parameters leave, up to
     what it can ever hold in use: max_num_seqs sequences of max_model_len (more would only be freed
     again at the rollout's exit)."""
     num_kv_blocks: int | None = None
-    """An explicit KV cache size in blocks (overrides gpu_memory_utilization; the default on CPU is
-    enough for max_num_seqs sequences of max_model_len)."""
+    """An explicit KV cache size in blocks (overrides gpu_memory_utilization; on CPU it must fit in the
+    available memory). The default on CPU is enough for max_num_seqs sequences of max_model_len, within
+    `rollout.kv_cache.CPU_KV_CACHE_BYTES` and half the available memory."""
     max_num_seqs: int = 256
     """Most sequences decoded in one step."""
     max_num_batched_tokens: int = 16384
@@ -71,7 +72,9 @@ class EngineConfig:
     frees them after the optimizer update (FSDP's `zero_grad(set_to_none=True)`), so the forward's
     activations (checkpointing off) never stack on them."""
     seed: int = 0
-    """Seed of random initialisation (when the source is a config) and of unseeded sampling."""
+    """Seed of random initialisation (when the source is a config) and of unseeded sampling; in [0, 2**63)."""
+    collective_timeout_s: float = 300.0
+    """How long a rank waits for its peers inside a collective phase before raising (a finite number > 0)."""
     sampler: str = "auto"
     """'fused': a step whose requests all sample without top-k/top-p draws its tokens and log-probs in
     one Triton pass over the logits (`hybridengine.ops.sample_fused`, Philox noise in the kernel);
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must name a torch device, got {checks.describe(self.device)}") from e
         for name in ("tp_generation", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed"):
             checks.number(op, name, getattr(self, name), integer=True)
+        checks.number(op, "seed", self.seed, low=0, high=2**63, high_open=True, integer=True)
+        checks.number(op, "collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
         if self.tp_generation < 1:
             raise ValueError(f"EngineConfig.tp_generation must be >= 1, got {self.tp_generation}")
         if self.sampler not in SAMPLERS:
@@ -125,3 +130,11 @@ class EngineConfig:
         if self.split_master and self.dtype != torch.bfloat16:
             raise ValueError(f"EngineConfig.split_master=True needs dtype=torch.bfloat16 (the master's high half), "
                              f"got {self.dtype}")
+
+    def check_model(self, model) -> None:
+        """The model (a `ModelConfig`) can run this config: max_model_len within its positions. Raises
+        ValueError; the engine calls it when it knows the model, before allocating anything for it."""
+        limit = model.max_position_embeddings
+        if self.max_model_len > limit:
+            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}; lower max_model_len to at most {limit}")

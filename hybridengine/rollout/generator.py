@@ -10,12 +10,14 @@ t + 1 runs. Before a prefill or a preemption the loop resolves the step in fligh
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from hybridengine import checks
 from hybridengine.config import EngineConfig
 from hybridengine.rollout.block_manager import BlockManager
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
@@ -26,22 +28,50 @@ from hybridengine.rollout.scheduler import Batch, Scheduler
 from hybridengine.rollout.sequence import PLACEHOLDER, Sequence, Status
 
 
+def token_id_lists(prompts):
+    """Prompts given as tensors, as lists: a 2-D tensor is one prompt per row, a 1-D tensor one prompt,
+    and 1-D tensors in a list are prompts. Anything else comes back as given, for `check_requests` to
+    judge (it rejects non-integer ids, so a float tensor fails there, naming the first one)."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() not in (1, 2):
+            raise ValueError(f"prompts as a tensor must be 1-D (one prompt) or 2-D (one prompt per row), got "
+                             f"{checks.describe(prompts)}")
+        return [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
+    if isinstance(prompts, (list, tuple)):
+        return [p.tolist() if isinstance(p, torch.Tensor) and p.dim() == 1 else p for p in prompts]
+    return prompts
+
+
 def check_requests(prompts, params: list[SamplingParams], *, vocab_size: int, config: EngineConfig,
                    num_blocks: int) -> None:
-    """Every prompt is a non-empty list of in-vocabulary token ids whose samples fit the engine (a
-    batch, max_model_len, the cache); raises ValueError naming the first bad request."""
+    """Every prompt is a non-empty list of in-vocabulary integer token ids whose samples fit the engine
+    (a batch, max_model_len, the cache); raises ValueError naming the first bad request."""
+    if isinstance(prompts, str):
+        raise ValueError("prompts must be token ids (a list of token-id lists), got text: the engine has no "
+                         "tokenizer; encode the prompts first")
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {checks.describe(prompts)}")
     if len(params) != len(prompts):
         raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
     max_len = config.max_model_len
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
-        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+        if isinstance(prompt, str):
+            raise ValueError(f"prompts[{i}] is text ({prompt[:20]!r}); prompts must be token ids (the engine has no "
+                             "tokenizer; encode the prompts first)")
+        if _is_token(prompt):
+            raise ValueError(f"prompts[{i}] is a single token id {prompt!r}: prompts must be a list of token-id "
+                             "lists (for one prompt, pass [ids])")
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompts[{i}] must be a list of token ids, got {checks.describe(prompt)}")
+        if len(prompt) == 0:
             raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
-            bad = next(t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab_size))
+        if not all(map(_is_token, prompt)):
+            j = next(j for j, t in enumerate(prompt) if not _is_token(t))
+            raise ValueError(f"prompts[{i}][{j}] must be an integer token id, got {checks.describe(prompt[j])}")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < vocab_size)
             raise ValueError(f"prompts[{i}] has token id {bad!r} outside the vocabulary [0, {vocab_size})")
         if p.n > config.max_num_seqs:
             raise ValueError(f"sampling_params[{i}]: n={p.n} samples exceed EngineConfig.max_num_seqs="
@@ -52,6 +82,11 @@ def check_requests(prompts, params: list[SamplingParams], *, vocab_size: int, co
         need = math.ceil((len(prompt) + p.max_tokens) / config.block_size)
         if need > num_blocks:
             raise ValueError(f"prompts[{i}]: needs {need} KV blocks at its longest, the cache has {num_blocks}")
+
+
+def _is_token(t) -> bool:
+    """An integer (Python's or numpy's), not a bool or a float."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +167,7 @@ def _fork_prefilled(sched: Scheduler, batch: Batch, logits: torch.Tensor, device
         seqs += children
     for seq in seqs:
         if seq.generator is None and seq.params.seed is not None:
-            seq.generator = torch.Generator(device).manual_seed(seq.params.seed * 100003 + seq.sample)
+            seq.generator = torch.Generator(device).manual_seed((seq.params.seed * 100003 + seq.sample) % 2**64)
     if rows != list(range(len(batch.seqs))):
         logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
     return logits, seqs
