@@ -8,6 +8,7 @@ only module that knows both halves.
 
 from hybridengine.config import EngineConfig
 from hybridengine.engine import HybridEngine
+from hybridengine.faults import CollectiveError
 from hybridengine.model import MODEL_CONFIGS, CausalLM, ModelConfig, RopeConfig, load_model, model_config
 from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
@@ -18,7 +19,7 @@ from hybridengine.train.trainer import PPOBatch, PPOConfig, ValueConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["CausalLM", "CompletionOutput", "EngineConfig", "FlatParamBuffer", "HybridEngine", "MODEL_CONFIGS",
+__all__ = ["CausalLM", "CollectiveError", "CompletionOutput", "EngineConfig", "FlatParamBuffer", "HybridEngine", "MODEL_CONFIGS",
            "ModelConfig", "PPOBatch", "PPOConfig", "ParamSpec", "RequestOutput", "RopeConfig", "SamplingParams",
            "ShardedLayout", "ValueConfig", "__version__", "load_model", "model_config", "param_specs", "ppo_loss",
            "tp_role", "token_logprobs", "unit_of", "value_loss"]

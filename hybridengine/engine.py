@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import functools
 import time
 
 import torch
 import torch.distributed as dist
 
 from hybridengine.config import EngineConfig
+from hybridengine.faults import CollectiveError, PhaseGuard
 from hybridengine.model.decoder import CausalLM
 from hybridengine.model.loading import hf_config_dict, load_model
 from hybridengine.model.tensor_parallel import local_config, make_all_reduce, parallelize
@@ -29,7 +32,7 @@ from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.sharding.switch import ShardedBuffer
 
-__all__ = ["CompletionOutput", "EngineConfig", "HybridEngine", "RequestOutput"]
+__all__ = ["CollectiveError", "CompletionOutput", "EngineConfig", "HybridEngine", "RequestOutput"]
 
 
 class HybridEngine:
@@ -54,6 +57,11 @@ class HybridEngine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        # The engine's own process group: its collectives time out after collective_timeout_s, so that a
+        # rank that fails inside a phase and stays alive cannot hold its peers for the default 30 minutes.
+        self._timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+        self.group = dist.new_group(timeout=self._timeout) if self.world_size > 1 else None
+        self._guard = PhaseGuard(self.group, config.collective_timeout_s)
         self.model = self._build(source)
         self.model.eval()
         self._sampler = Sampler(config.seed, self.model.vocab_shard)  # its RNG keys the fused sampler's unseeded rows
@@ -71,12 +79,14 @@ class HybridEngine:
         full = load_model(source, dtype=cfg.dtype, device=self.device if self.world_size == 1 else "cpu", seed=cfg.seed)
         params = {n: p.detach() for n, p in full.named_parameters()}  # load_ reads only the specs' names
         self.model_config = dataclasses.replace(full.config, value_head=True) if self.role == "critic" else full.config
+        cfg.check_model(self.model_config)  # max_model_len within the model's positions
         if self.role == "critic":  # the backbone's weights plus a fresh value head
             gen = torch.Generator().manual_seed(cfg.seed + 1)
             params["score.weight"] = (torch.randn(1, full.config.hidden_size, generator=gen)
                                       * full.config.initializer_range).to(cfg.dtype)
         specs = CausalLM(self.model_config, dtype=cfg.dtype, device="meta").flat_buffer.layout.specs
-        self.sharded = ShardedBuffer(specs, dtype=cfg.dtype, device=self.device, tp_size=tp)
+        self.sharded = ShardedBuffer(specs, dtype=cfg.dtype, device=self.device, tp_size=tp, group=self.group,
+                                     timeout=self._timeout)
         self.sharded.load_(params)
         buffer = self.sharded.flat_buffer
         self.vocab_size = self.model_config.vocab_size
@@ -105,9 +115,12 @@ class HybridEngine:
         optimizer = trainer.optimizer if trainer is not None and trainer.has_optimizer else None
         engine_config = {k: (checkpoint.dtype_name(v) if isinstance(v, torch.dtype) else v)
                          for k, v in dataclasses.asdict(self.config).items()}
-        checkpoint.save(path, self.sharded, optimizer, engine_meta=dict(
-            role=self.role, model_config=dataclasses.asdict(self.model_config), hf_config=self.hf_config,
-            engine_config=engine_config))
+        # save shares any rank's error with every rank and leaves the engine as it was: its errors are
+        # every rank's (`consistent`), and the engine stays usable after a failed save.
+        with self._guard.phase("save", lambda: checkpoint.checked_path(path, "HybridEngine.save")) as phase:
+            phase.consistent(checkpoint.save, path, self.sharded, optimizer, engine_meta=dict(
+                role=self.role, model_config=dataclasses.asdict(self.model_config), hf_config=self.hf_config,
+                engine_config=engine_config), sampler_rng=self._sampler.rng)
 
     @classmethod
     def load(cls, path, config: EngineConfig | None = None) -> "HybridEngine":
@@ -124,19 +137,24 @@ class HybridEngine:
             config = EngineConfig(**saved)
         engine = cls(meta.model_config, config, role=meta.role)
         engine.hf_config = meta.hf_config
-        checkpoint.restore_(meta, engine.sharded, optimizer=lambda: engine._trainer().optimizer)
+        with engine._guard.phase("load"):
+            checkpoint.restore_(meta, engine.sharded, optimizer=lambda: engine._trainer().optimizer,
+                                sampler_rng=engine._sampler.rng)
         return engine
 
     def export_hf(self, path) -> None:
         """config.json + model.safetensors for transformers' from_pretrained (rank 0 writes)."""
         from hybridengine.sharding import checkpoint
 
-        if self.role != "actor":
-            raise ValueError("export_hf: only an actor (causal LM) exports to a transformers checkpoint")
-        if self.hf_config is None:
-            raise ValueError("export_hf: the engine was built from a ModelConfig, not a transformers config, model or "
-                             "checkpoint, so there is no config.json to write")
-        checkpoint.export_hf(path, self.sharded, hf_config=self.hf_config, dtype=self.config.dtype)
+        def check():
+            if self.role != "actor":
+                raise ValueError("export_hf: only an actor (causal LM) exports to a transformers checkpoint")
+            if self.hf_config is None:
+                raise ValueError("export_hf: the engine was built from a ModelConfig, not a transformers config, "
+                                 "model or checkpoint, so there is no config.json to write")
+
+        with self._guard.phase("export_hf", check):
+            checkpoint.export_hf(path, self.sharded, hf_config=self.hf_config, dtype=self.config.dtype)
 
     def memory_report(self) -> dict[str, float]:
         """GiB on this rank: parameters (G mapped), optimizer state, gradients, KV cache; torch and NVML totals."""
@@ -181,27 +199,35 @@ class HybridEngine:
                                      split_master=self.config.split_master, keep_grads=self.config.keep_grads)
         return self._training
 
+    # Each training call is a collective phase: every rank validates its batch (and config) before any
+    # collective and the ranks agree on the outcome, so a bad input raises on every rank at once.
+
     def log_probs(self, batch, *, temperature: float = 1.0, return_entropy: bool = False):
         """[B, max_len - 1] log-probs of batch's target tokens (fused over the LM head, no grad)."""
-        return self._trainer().log_probs(batch, temperature=temperature, return_entropy=return_entropy)
+        with self._guard.phase("log_probs", lambda: self._trainer().check("log_probs", batch, temperature=temperature)):
+            return self._trainer().log_probs(batch, temperature=temperature, return_entropy=return_entropy)
 
     def values(self, batch) -> torch.Tensor:
         """Critic: [B, max_len - 1] values at the positions of batch's target tokens (no grad)."""
-        return self._trainer().values(batch)
+        with self._guard.phase("values", lambda: self._trainer().check("values", batch)):
+            return self._trainer().values(batch)
 
     def value_step(self, batch, config=None) -> dict:
         """Critic: one optimizer step with `value_loss` (batch.old_values, batch.returns, response_mask)."""
         from hybridengine.train.trainer import ValueConfig
 
         config = config if config is not None else ValueConfig()
-        return self._trainer(config).value_step(batch, config)
+        with self._guard.phase("value_step", lambda: self._trainer(config).check("value_step", batch, config)):
+            return self._trainer(config).value_step(batch, config)
 
     def ppo_step(self, batch, config=None) -> dict:
-        """One PPO/GRPO optimizer step on this rank's batch: returns loss, metrics, grad_norm, lr, step_s."""
+        """One PPO/GRPO optimizer step on this rank's batch: returns loss, metrics, grad_norm, lr, step_s,
+        skipped (a NaN/inf gradient norm skips the update: `PPOConfig.nonfinite_grad`)."""
         from hybridengine.train.trainer import PPOConfig
 
         config = config if config is not None else PPOConfig()
-        return self._trainer(config).ppo_step(batch, config)
+        with self._guard.phase("ppo_step", lambda: self._trainer(config).check("ppo_step", batch, config)):
+            return self._trainer(config).ppo_step(batch, config)
 
     # -- rollout ------------------------------------------------------------------------------------
 
@@ -214,24 +240,31 @@ class HybridEngine:
             raise RuntimeError("prepare_rollout() needs an actor engine; this one is a critic")
         self.sharded.prepare_generation()
 
-    @contextlib.contextmanager
-    def rollout(self):
-        """Generation view + KV cache for the duration of the block; both released on exit."""
+    def _check_rollout(self) -> None:
         if self.role == "critic":
             raise RuntimeError("rollout() needs an actor engine; this one is a critic")
         if self._runner is not None:
             raise RuntimeError("rollout() is already active")
-        t0 = time.perf_counter()
-        self.sharded.switch_to_generation()
+
+    @contextlib.contextmanager
+    def rollout(self):
+        """Generation view + KV cache for the duration of the block; both released on exit. Entering is a
+        collective phase (the switch's all-gathers); leaving is local."""
+        self._guard.agree("rollout", self._check_rollout)
         try:
-            self.stats["switch_to_generation_s"] = time.perf_counter() - t0
-            kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank)
-            t1 = time.perf_counter()
-            self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
-                                       max_model_len=self.config.max_model_len, use_cuda_graphs=self.config.cuda_graphs,
-                                       lazy_cuda_graphs=self.config.lazy_cuda_graphs)
-            self.stats.update(kv_cache_GiB=kv.nbytes() / 2**30, kv_blocks=kv.num_blocks,
-                              cuda_graph_capture_s=self._runner.graph_capture_s, runner_setup_s=time.perf_counter() - t1)
+            with self._guard.work("rollout"):
+                t0 = time.perf_counter()
+                self.sharded.switch_to_generation()
+                self.stats["switch_to_generation_s"] = time.perf_counter() - t0
+                kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank)
+                t1 = time.perf_counter()
+                self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
+                                           max_model_len=self.config.max_model_len,
+                                           use_cuda_graphs=self.config.cuda_graphs,
+                                           lazy_cuda_graphs=self.config.lazy_cuda_graphs)
+                self.stats.update(kv_cache_GiB=kv.nbytes() / 2**30, kv_blocks=kv.num_blocks,
+                                  cuda_graph_capture_s=self._runner.graph_capture_s,
+                                  runner_setup_s=time.perf_counter() - t1)
             yield self
         finally:
             # Drop this frame's references too: empty_cache below must see the cache freed.
@@ -262,6 +295,7 @@ class HybridEngine:
         go to `self.stats`."""
         if self._runner is None:
             raise ValueError("generate() must be called inside `with engine.rollout():`")
+        prompts = generator.token_id_lists(prompts)  # a tensor of token ids: one prompt per row
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * (len(prompts) if isinstance(prompts, (list, tuple)) else 1)
@@ -269,13 +303,19 @@ class HybridEngine:
             params = list(params)
         else:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
-        if self._tp is not None:  # a TP group generates one batch: its first rank's
-            shared = [prompts, params]
-            dist.broadcast_object_list(shared, src=self._tp.src, group=self._tp.group)
-            prompts, params = shared
-        generator.check_requests(prompts, params, vocab_size=self.vocab_size, config=self.config,
-                                 num_blocks=self._runner.kv.num_blocks)
-        outputs, stats = generator.generate(self._runner, self._sampler, prompts, params, config=self.config,
-                                            tp=self._tp, progress=use_tqdm and self.rank == 0)
+        check = functools.partial(generator.check_requests, vocab_size=self.vocab_size, config=self.config,
+                                  num_blocks=self._runner.kv.num_blocks)
+        run = functools.partial(generator.generate, self._runner, self._sampler, config=self.config, tp=self._tp,
+                                progress=use_tqdm and self.rank == 0)
+        if self._tp is None:  # no collectives: this rank's batch alone
+            check(prompts, params)
+            outputs, stats = run(prompts, params)
+        else:  # a collective phase of the TP group, which generates one batch: its first rank's
+            with self._guard.work("generate") as phase:
+                shared = [prompts, params]
+                dist.broadcast_object_list(shared, src=self._tp.src, group=self._tp.group)
+                prompts, params = shared
+                phase.consistent(check, prompts, params)  # the same requests on every rank: the same verdict
+                outputs, stats = run(prompts, params)
         self.stats.update(stats)
         return outputs

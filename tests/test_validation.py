@@ -13,7 +13,6 @@ from hybridengine.train import trainer as trainer_module
 
 NAN, INF = float("nan"), float("inf")
 FIELDS = ("old_logprobs", "advantages", "ref_logprobs", "old_values", "returns")
-NEEDS_ENGINE = "needs engine.py call: "
 
 
 def make_engine(**overrides):
@@ -269,8 +268,6 @@ def test_token_id_lists_converts_tensors():
         generator.token_id_lists(ids[None])
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_ENGINE + "`prompts = generator.token_id_lists(prompts)` first in "
-                                                      "HybridEngine.generate")
 def test_tensor_prompts_are_accepted():
     engine = make_engine()
     greedy = he.SamplingParams(max_tokens=3, temperature=0.0)
@@ -300,20 +297,18 @@ def test_engine_config_rejects_bad_values(kwargs, match):
 
 def test_max_model_len_beyond_the_models_positions():
     model = he.ModelConfig.from_hf(he.model_config("tiny-qwen2"))
-    he.EngineConfig(max_model_len=256).check_model(model)
-    with pytest.raises(ValueError, match=r"EngineConfig.max_model_len=1024 exceeds the model's "
-                                         r"max_position_embeddings=256"):
-        he.EngineConfig(max_model_len=1024).check_model(model)
-    with pytest.raises(ValueError, match="max_position_embeddings=256"):  # also where rollout() sizes the cache
-        num_kv_blocks(he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=1024), model,
+    he.EngineConfig(max_model_len=4096).check_model(model)
+    with pytest.raises(ValueError, match=r"EngineConfig.max_model_len=8192 exceeds the model's "
+                                         r"max_position_embeddings=4096"):
+        he.EngineConfig(max_model_len=8192).check_model(model)
+    with pytest.raises(ValueError, match="max_position_embeddings=4096"):  # also where rollout() sizes the cache
+        num_kv_blocks(he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=8192), model,
                       torch.device("cpu"))
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_ENGINE + "`self.config.check_model(self.model_config)` in "
-                                                      "HybridEngine._build, after self.model_config is set")
 def test_max_model_len_beyond_the_models_positions_fails_at_construction():
-    with pytest.raises(ValueError, match="max_position_embeddings=256"):
-        make_engine(max_model_len=1024)
+    with pytest.raises(ValueError, match="max_position_embeddings=4096"):
+        make_engine(max_model_len=8192)
 
 
 def test_cpu_kv_cache_default_is_bounded():

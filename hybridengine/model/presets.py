@@ -27,29 +27,30 @@ MODEL_CONFIGS: dict[str, dict] = {
         num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, tie_word_embeddings=False,
         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
     ),
-    # Tiny configs, one per supported family, for CPU tests and the demo. Odd-ish sizes on purpose.
+    # Tiny configs, one per supported family, for CPU tests and the demo. Odd-ish sizes on purpose; 4096
+    # positions, so that the default EngineConfig.max_model_len fits them.
     "tiny-llama": dict(
         model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=96, vocab_size=130, tie_word_embeddings=False,
-        max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=64),
     ),
     "tiny-qwen2": dict(
         model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=96, vocab_size=128, tie_word_embeddings=True,
-        max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
     ),
     "tiny-qwen3": dict(
         model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, intermediate_size=96, vocab_size=131,
-        tie_word_embeddings=False, max_position_embeddings=256, rope_theta=1000000.0,
+        tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=1000000.0,
         rms_norm_eps=1e-6,
     ),
     "tiny-mistral": dict(
         model_type="mistral", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=2, intermediate_size=96, vocab_size=128, tie_word_embeddings=False,
-        max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
+        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
     ),
 }
 

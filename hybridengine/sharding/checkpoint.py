@@ -132,7 +132,8 @@ def _layout_from_meta(meta: dict) -> ShardedLayout:
 
 # -- where a checkpoint lives ------------------------------------------------------------------------
 
-def _checked_path(path, op: str) -> Path:
+def checked_path(path, op: str) -> Path:
+    """`path` as a Path when it can name a checkpoint folder; a ValueError naming `op` when not."""
     if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
         raise ValueError(f"{op}: path must be a str or os.PathLike naming a folder, got {type(path).__name__}")
     text = os.fspath(path)
@@ -314,7 +315,7 @@ def save(path: str | os.PathLike, sharded: ShardedBuffer, optimizer, *, engine_m
     RNG states (torch's and `sampler_rng`'s) and `engine_meta` (role, model_config, hf_config,
     engine_config: JSON-ready) to folder `path`, replacing the checkpoint there. Every rank calls it;
     an error on any rank raises on every rank and leaves `path` as it was, with no temporary folder."""
-    path = _checked_path(path, "HybridEngine.save")
+    path = checked_path(path, "HybridEngine.save")
     save_id = _on_rank0(sharded, lambda: _begin(path))
     tmp = _siblings(path)[0]
     try:
@@ -351,7 +352,7 @@ def read_meta(path: str | os.PathLike) -> CheckpointMeta:
     """The description of the checkpoint in folder `path` (or, after a save that died between its
     renames, of the complete one beside it, with a warning); checks that meta.json is sound and that
     every rank file is there at its recorded size."""
-    path = _checked_path(path, "HybridEngine.load")
+    path = checked_path(path, "HybridEngine.load")
     found = _complete_sibling(path)
     if found is not None:
         warnings.warn(f"HybridEngine.load: {path} holds no complete checkpoint (a save was interrupted); loading "

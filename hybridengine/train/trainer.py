@@ -254,6 +254,40 @@ class Trainer:
 
     # -- public ---------------------------------------------------------------------------------------
 
+    def check(self, op: str, batch, cfg=None, *, temperature: float = 1.0) -> None:
+        """Everything call `op` ('log_probs', 'values', 'ppo_step', 'value_step') validates before its
+        first collective: the engine's role, the config, the batch (`PPOBatch.validate`). Each call
+        runs it first; `HybridEngine` runs it on every rank before the call and agrees on the outcome."""
+        if op == "log_probs":
+            if self.critic:
+                raise ValueError("log_probs() needs an actor engine; this one is a critic (use values)")
+            if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                    and math.isfinite(temperature) and temperature > 0):
+                raise ValueError(f"log_probs: temperature must be a finite number > 0, got {temperature!r}")
+            self._check_batch(op, batch)
+        elif op == "values":
+            if not self.critic:
+                raise ValueError("values() needs a critic engine (HybridEngine(..., role='critic'))")
+            self._check_batch(op, batch)
+        elif op == "ppo_step":
+            if self.critic:
+                raise ValueError("ppo_step is for the actor; this engine is a critic (use value_step)")
+            if not isinstance(cfg, PPOConfig):
+                raise ValueError(f"ppo_step: config must be a PPOConfig, got {type(cfg).__name__}")
+            cfg.validate()  # again: a config may have been changed since its construction
+            self._check_batch(op, batch, ("response_mask", "old_logprobs", "advantages"))
+            if cfg.kl_coef and batch.ref_logprobs is None:
+                raise ValueError("PPOConfig.kl_coef > 0 needs batch.ref_logprobs")
+        elif op == "value_step":
+            if not self.critic:
+                raise ValueError("value_step needs a critic engine (HybridEngine(..., role='critic'))")
+            if not isinstance(cfg, ValueConfig):
+                raise ValueError(f"value_step: config must be a ValueConfig, got {type(cfg).__name__}")
+            cfg.validate()
+            self._check_batch(op, batch, ("response_mask", "old_values", "returns"))
+        else:
+            raise ValueError(f"op must be 'log_probs', 'values', 'ppo_step' or 'value_step', got {op!r}")
+
     def _scoring_passes(self, batch: PPOBatch, micro_batch_tokens: int):
         """Per micro-batch of a no-grad forward: (rows, final-normed hidden [tokens, H], head weight,
         cu_seqlens). An empty micro-batch (this rank ran out while others did not) still runs its
@@ -269,9 +303,7 @@ class Trainer:
     def log_probs(self, batch: PPOBatch, *, temperature: float = 1.0, micro_batch_tokens: int = 16384,
                   return_entropy: bool = False):
         """[B, max_len - 1] log-probs of the target tokens (zero past each sequence); entropy optional."""
-        if self.critic:
-            raise ValueError("log_probs() needs an actor engine; this one is a critic (use values)")
-        self._check_batch("log_probs", batch)
+        self.check("log_probs", batch, temperature=temperature)
         width = max(batch.lengths) - 1
         logp = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
         ent = torch.zeros_like(logp) if return_entropy else None
@@ -290,14 +322,7 @@ class Trainer:
     def ppo_step(self, batch: PPOBatch, cfg: PPOConfig) -> dict:
         """One optimizer step of the policy on this rank's batch; returns loss, metrics, grad_norm, lr, step,
         skipped (1 when a NaN/inf gradient norm skipped the update), skipped_steps, timings."""
-        if self.critic:
-            raise ValueError("ppo_step is for the actor; this engine is a critic (use value_step)")
-        if not isinstance(cfg, PPOConfig):
-            raise ValueError(f"ppo_step: config must be a PPOConfig, got {type(cfg).__name__}")
-        cfg.validate()  # again: a config may have been changed since its construction
-        self._check_batch("ppo_step", batch, ("response_mask", "old_logprobs", "advantages"))
-        if cfg.kl_coef and batch.ref_logprobs is None:
-            raise ValueError("PPOConfig.kl_coef > 0 needs batch.ref_logprobs")
+        self.check("ppo_step", batch, cfg)
 
         def head_loss(h, head_w, rows, cu):
             hidden = self._unpack(h, cu)
@@ -312,12 +337,7 @@ class Trainer:
 
     def value_step(self, batch: PPOBatch, cfg: ValueConfig) -> dict:
         """One optimizer step of the critic (`value_loss`) on this rank's batch."""
-        if not self.critic:
-            raise ValueError("value_step needs a critic engine (HybridEngine(..., role='critic'))")
-        if not isinstance(cfg, ValueConfig):
-            raise ValueError(f"value_step: config must be a ValueConfig, got {type(cfg).__name__}")
-        cfg.validate()
-        self._check_batch("value_step", batch, ("response_mask", "old_values", "returns"))
+        self.check("value_step", batch, cfg)
 
         def head_loss(h, head_w, rows, cu):
             values = self._unpack(F.linear(h, head_w).squeeze(-1), cu)
@@ -455,9 +475,7 @@ class Trainer:
     @torch.no_grad()
     def values(self, batch: PPOBatch, *, micro_batch_tokens: int = 16384) -> torch.Tensor:
         """Critic: [B, max_len - 1] values at the positions of the target tokens (zero past each sequence)."""
-        if not self.critic:
-            raise ValueError("values() needs a critic engine (HybridEngine(..., role='critic'))")
-        self._check_batch("values", batch)
+        self.check("values", batch)
         width = max(batch.lengths) - 1
         out = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
         for rows, normed, head_w, cu in self._scoring_passes(batch, micro_batch_tokens):
