@@ -1,4 +1,5 @@
-"""`hybridengine.train.advantages` against straightforward per-element loops written here.
+"""`hybridengine.train.advantages` against the straightforward per-element loops of `_formulas`
+(written from the definitions, sharing no code with the package).
 
 The loops run on Python floats (fp64: the truth) or on 0-dim fp32 tensors (the same-dtype
 reference: every operation rounded to fp32, in textbook order). fp32 results may be off the truth
@@ -8,12 +9,10 @@ results must match the fp64 loop to 1e-12.
 
 from __future__ import annotations
 
-import math
-import statistics
-
 import pytest
 import torch
 
+import _formulas as formulas
 from hybridengine.train.advantages import broadcast_to_tokens, gae, grpo_advantages, whiten
 
 U32 = 2.0**-24
@@ -29,25 +28,6 @@ def assert_close_to_truth(ours, truth, same_dtype, scale):
 
 # --------------------------------------------------------------------------------------------
 # GAE
-
-
-def gae_loop(rewards, values, mask, gamma, lam, dtype=torch.float64):
-    """Per row: drop the masked steps, run textbook GAE on what is left, put the results back."""
-    B, T = rewards.shape
-    adv = torch.zeros(B, T, dtype=dtype)
-    ret = torch.zeros(B, T, dtype=dtype)
-    g, gl = torch.tensor(gamma, dtype=dtype), torch.tensor(gamma * lam, dtype=dtype)
-    for b in range(B):
-        steps = [t for t in range(T) if mask[b, t]]
-        last = torch.tensor(0.0, dtype=dtype)
-        for k in reversed(range(len(steps))):
-            t = steps[k]
-            next_value = values[b, steps[k + 1]].to(dtype) if k + 1 < len(steps) else torch.tensor(0.0, dtype=dtype)
-            delta = rewards[b, t].to(dtype) + g * next_value - values[b, t].to(dtype)
-            last = delta + gl * last
-            adv[b, t] = last
-            ret[b, t] = last + values[b, t].to(dtype)
-    return adv, ret
 
 
 def make_rollout(B=6, T=37, seed=0):
@@ -69,8 +49,8 @@ def test_gae_matches_loop(gamma, lam):
     rewards, values, mask = make_rollout()
     adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
     assert adv.dtype == ret.dtype == torch.float32
-    truth_adv, truth_ret = gae_loop(rewards, values, mask, gamma, lam)
-    same_adv, same_ret = gae_loop(rewards, values, mask, gamma, lam, dtype=torch.float32)
+    truth_adv, truth_ret = formulas.gae(rewards, values, mask, gamma, lam)
+    same_adv, same_ret = formulas.gae(rewards, values, mask, gamma, lam, dtype=torch.float32)
     scale = rewards.abs().sum(1).max() + 2 * values.abs().max()
     assert_close_to_truth(adv, truth_adv, same_adv, scale)
     assert_close_to_truth(ret, truth_ret, same_ret, scale)
@@ -100,6 +80,25 @@ def test_gae_monte_carlo_case_and_masked_zeros():
                                atol=2 * U32 * float(ret[0][sel].abs().max() + values[0][sel].abs().max()))
 
 
+def test_estimators_by_hand():
+    """GAE across a masked gap and GRPO on one group, worked out by hand: the loops and the package."""
+    rewards = torch.tensor([[1.0, 9.0, 2.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 9.0, 0.25]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1]])
+    # gamma = lam = 0.5; step 2 ends the response: A = 2 - 0.25 = 1.75; step 0 bootstraps from step 2
+    # (step 1 does not exist): delta = 1 + 0.5 * 0.25 - 0.5 = 0.625, A = 0.625 + 0.25 * 1.75 = 1.0625
+    want_adv = torch.tensor([[1.0625, 0.0, 1.75]], dtype=torch.float64)
+    for adv, ret in (formulas.gae(rewards, values, mask, 0.5, 0.5), gae(rewards, values, mask, gamma=0.5, lam=0.5)):
+        torch.testing.assert_close(adv, want_adv, rtol=0, atol=1e-15)
+        torch.testing.assert_close(ret, torch.tensor([[1.5625, 0.0, 2.0]], dtype=torch.float64), rtol=0, atol=1e-15)
+    # rewards 0, 1, 1, 1: mean 0.75, unbiased std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5
+    scores = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    want = torch.tensor([-1.5, 0.5, 0.5, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(formulas.grpo(scores, [0] * 4, 0.0, True), want, rtol=0, atol=1e-15)
+    torch.testing.assert_close(grpo_advantages(scores, 4, eps=0.0), want, rtol=0, atol=1e-15)
+    torch.testing.assert_close(grpo_advantages(scores, 4, norm_by_std=False), want / 2, rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda r, v, m: gae(r[0], v, m), r"gae: rewards must be \[B, T\]"),
     (lambda r, v, m: gae(r.long(), v, m), "gae: rewards must be a float tensor"),
@@ -119,22 +118,6 @@ def test_gae_errors(call, match):
 # GRPO
 
 
-def grpo_loop(scores, groups, eps, norm_by_std):
-    """groups: a label per sample. Unbiased std (statistics.stdev); a lone sample gets 0."""
-    scores = [float(s) for s in scores]
-    out = [0.0] * len(scores)
-    for label in set(groups):
-        members = [i for i, g in enumerate(groups) if g == label]
-        if len(members) < 2:
-            continue
-        values = [scores[i] for i in members]
-        mean = statistics.fmean(values)
-        std = statistics.stdev(values)
-        for i in members:
-            out[i] = (scores[i] - mean) / (std + eps) if norm_by_std else scores[i] - mean
-    return torch.tensor(out, dtype=torch.float64)
-
-
 def assert_rounded_from(ours: torch.Tensor, truth: torch.Tensor):
     """ours is the fp32 rounding of (an fp64 value within 1e-12 of) the truth: 1 fp32 ulp."""
     torch.testing.assert_close(ours, truth.float(), rtol=2 * U32, atol=1e-12)
@@ -148,7 +131,7 @@ def test_grpo_consecutive_groups_match_loop(group_size, norm_by_std):
     scores[:group_size] = torch.randint(0, 2, (group_size,), generator=g).float()  # a 0/1 reward group
     adv = grpo_advantages(scores, group_size, norm_by_std=norm_by_std)
     assert adv.dtype == torch.float32 and adv.shape == scores.shape
-    truth = grpo_loop(scores, [i // group_size for i in range(scores.numel())], 1e-6, norm_by_std)
+    truth = formulas.grpo(scores, [i // group_size for i in range(scores.numel())], 1e-6, norm_by_std)
     assert_rounded_from(adv, truth)
     if group_size == 1:
         assert torch.equal(adv, torch.zeros_like(adv))
@@ -163,7 +146,7 @@ def test_grpo_group_ids_any_order_and_labels():
     perm = torch.randperm(len(groups), generator=g)
     groups = [groups[i] for i in perm]
     scores = torch.randn(len(groups), generator=g) * 3 + 1
-    truth = grpo_loop(scores, groups, 1e-6, True)
+    truth = formulas.grpo(scores, groups, 1e-6, True)
     assert_rounded_from(grpo_advantages(scores, group_ids=torch.tensor(groups) * 7 - 3), truth)
     assert_rounded_from(grpo_advantages(scores, group_ids=[f"uid-{k}" for k in groups]), truth)
     lone = groups.index(1)
@@ -203,25 +186,12 @@ def test_grpo_errors(call, match):
 # whitening and broadcasting
 
 
-def whiten_loop(x, mask, shift_mean, eps):
-    xs = [float(v) for v, m in zip(x.flatten(), mask.flatten()) if m]
-    out = torch.zeros(x.numel(), dtype=torch.float64)
-    if not xs:
-        return out.view(x.shape)
-    mean = statistics.fmean(xs)
-    var = statistics.variance(xs, mean) if len(xs) > 1 else 0.0
-    for i, (v, m) in enumerate(zip(x.flatten(), mask.flatten())):
-        if m:
-            out[i] = (float(v) - mean) / math.sqrt(var + eps) + (0.0 if shift_mean else mean)
-    return out.view(x.shape)
-
-
 @pytest.mark.parametrize("shift_mean", [True, False])
 def test_whiten_matches_loop(shift_mean):
     _, values, mask = make_rollout()
     x = values * 3 + 2
     ours = whiten(x, mask, shift_mean=shift_mean)
-    truth = whiten_loop(x, mask, shift_mean, 1e-8)
+    truth = formulas.whiten(x, mask, shift_mean, 1e-8)
     # Sums over ~150 elements in fp32: a few ulps of the scale; the normalised values are O(1).
     torch.testing.assert_close(ours.double(), truth, rtol=0, atol=64 * U32 * (1 + (0 if shift_mean else 2)))
     assert torch.equal(ours[~mask], torch.zeros_like(ours[~mask]))

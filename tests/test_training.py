@@ -1,5 +1,6 @@
 """Training on the shared buffer vs a plain single-process torch reference (HF model + torch AdamW +
-the reference loss), over gloo processes: N in {1, 2, 4}, tg dividing N."""
+the loss of `_formulas`, written from the definitions and sharing no code with the package), over
+gloo processes: N in {1, 2, 4, 8}, tg dividing N."""
 
 import copy
 import json
@@ -13,12 +14,12 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hybridengine as he
+import _formulas as formulas
 from _dist import reporting, spawn
 from _models import reference_tp_slice
 
-# hybridengine.ops.ppo_loss the attribute is the function; the module holds the reference.
-P = __import__("importlib").import_module("hybridengine.ops.ppo_loss")
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "ppo_tiny_qwen2.json"
+"""Written only by scripts/make_golden.py (`golden_run`), never by a test run."""
 STEPS = 5
 CFG = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01, loss_agg="token-mean",
            micro_batch_tokens=24, max_grad_norm=1.0, lr=1e-3, weight_decay=0.01, temperature=0.9)
@@ -72,7 +73,8 @@ def pad(rows, width, dtype=torch.float32):
 
 
 def reference_run(hf, batches, first_grads: dict | None = None, dtype=torch.float32, grads: list | None = None):
-    """Plain torch: per-rank loss over full logits, mean over ranks, clip, torch AdamW, in `dtype`.
+    """Plain torch: per-rank loss (`_formulas.ppo_loss`) over full logits, mean over ranks, clip, torch
+    AdamW, in `dtype`.
     `first_grads` (a dict) receives the unclipped gradients of the first step; `grads` (a list) each
     step's clipped gradients (what AdamW sees)."""
     model = copy.deepcopy(hf).to(dtype).train()
@@ -93,12 +95,13 @@ def reference_run(hf, batches, first_grads: dict | None = None, dtype=torch.floa
                 hs.append(h)
                 targets[i, :len(seq) - 1] = seq[1:]
             hidden = torch.nn.utils.rnn.pad_sequence(hs, batch_first=True)
-            loss, _ = P.ppo_loss_ref(hidden, model.lm_head.weight, targets,
-                                     pad(b["old_logprobs"], width, dtype), pad(b["advantages"], width, dtype),
-                                     pad(b["response_mask"], width, dtype), temperature=CFG["temperature"],
-                                     clip_low=CFG["clip_low"], clip_high=CFG["clip_high"],
-                                     ref_logprobs=pad(b["ref_logprobs"], width, dtype), kl_coef=CFG["kl_coef"],
-                                     entropy_coef=CFG["entropy_coef"], loss_agg=CFG["loss_agg"])
+            # kl_estimator and clip_ratio_c: PPOConfig's defaults, which CFG leaves alone
+            loss, _ = formulas.ppo_loss(hidden, model.lm_head.weight, targets,
+                                        pad(b["old_logprobs"], width, dtype), pad(b["advantages"], width, dtype),
+                                        pad(b["response_mask"], width, dtype), temperature=CFG["temperature"],
+                                        clip_low=CFG["clip_low"], clip_high=CFG["clip_high"], clip_ratio_c=None,
+                                        ref_logprobs=pad(b["ref_logprobs"], width, dtype), kl_coef=CFG["kl_coef"],
+                                        kl_estimator="k3", entropy_coef=CFG["entropy_coef"], loss_agg=CFG["loss_agg"])
             (loss / len(per_rank)).backward()
             total += float(loss.detach()) / len(per_rank)
         if first_grads is not None and not first_grads:
@@ -262,14 +265,33 @@ def test_gradients_freed_after_step_unless_kept():
         assert torch.equal(w, full_weights(freed)[name]), name
 
 
-def test_golden_losses():
-    """A tiny deterministic run against the checked-in per-step losses (regenerate: HE_UPDATE_GOLDEN=1)."""
+def golden_run() -> tuple[list[float], float, float]:
+    """The tiny deterministic run of the golden file (tiny-qwen2, one rank, STEPS steps): its per-step
+    losses, and the first step's loss by the fp32 and the fp64 reference (the formulas over a plain
+    forward at the initial weights: the one step the reference computes without the engine's history)."""
     hf = build()
-    _, losses = engine_run(hf, make_batches(hf, 1), 0, 1)
-    if os.environ.get("HE_UPDATE_GOLDEN"):
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps({"config": CFG, "losses": losses}, indent=1) + "\n")
+    batches = make_batches(hf, 1)
+    _, losses = engine_run(hf, batches, 0, 1)
+    (first32,), _ = reference_run(hf, batches[:1])
+    (first64,), _ = reference_run(hf, batches[:1], dtype=torch.float64)
+    return losses, first32, first64
+
+
+def check_first_step(loss: float, first32: float, first64: float) -> None:
+    """An fp32 first-step loss within 2x the fp32 reference's distance from the fp64 one, plus 8 fp32
+    ulps of the loss (the fp32 reference can be exact by luck)."""
+    bound = 2 * abs(first32 - first64) + 16 * U32 * abs(first64)
+    assert abs(loss - first64) <= bound, (f"first step's loss {loss!r} is {abs(loss - first64):.3g} off the fp64 "
+                                          f"reference {first64!r} (allowed {bound:.3g})")
+
+
+def test_golden_losses():
+    """A tiny deterministic run against the checked-in per-step losses, whose first step is the
+    independent reference's (regenerate with scripts/make_golden.py, never from a test run)."""
     golden = json.loads(GOLDEN.read_text())
+    assert golden["config"] == CFG, "CFG changed since the golden file was written: run scripts/make_golden.py"
+    losses, first32, first64 = golden_run()
+    check_first_step(golden["losses"][0], first32, first64)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(golden["losses"]), rtol=1e-5, atol=1e-6)
 
 
