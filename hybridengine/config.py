@@ -75,6 +75,12 @@ class EngineConfig:
     """Seed of random initialisation (when the source is a config) and of unseeded sampling; in [0, 2**63)."""
     collective_timeout_s: float = 300.0
     """How long a rank waits for its peers inside a collective phase before raising (a finite number > 0)."""
+    expandable_segments: bool | None = None
+    """On CUDA, switch torch's caching allocator to expandable segments when the engine is built. Each
+    GRPO step brings other shapes (prompt and response lengths, micro-batch sizes); with fixed-size
+    segments the reserve follows each step's shapes, with expandable ones it stays within a few hundred
+    MiB (the soak bench, docs/benchmarks.md). None: on, unless PYTORCH_CUDA_ALLOC_CONF is set (the
+    caller's choice stands); False: leave the allocator alone. It is a process-wide setting."""
     sampler: str = "auto"
     """'fused': a step whose requests all sample without top-k/top-p draws its tokens and log-probs in
     one Triton pass over the logits (`hybridengine.ops.sample_fused`, Philox noise in the kernel);
@@ -98,6 +104,9 @@ class EngineConfig:
             checks.number(op, name, getattr(self, name), integer=True)
         checks.number(op, "seed", self.seed, low=0, high=2**63, high_open=True, integer=True)
         checks.number(op, "collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
+        if self.expandable_segments is not None and not isinstance(self.expandable_segments, bool):
+            raise ValueError(f"EngineConfig: expandable_segments must be None, True or False, got "
+                             f"{checks.describe(self.expandable_segments)}")
         if self.tp_generation < 1:
             raise ValueError(f"EngineConfig.tp_generation must be >= 1, got {self.tp_generation}")
         if self.sampler not in SAMPLERS:

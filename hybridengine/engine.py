@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import os
 import time
 
 import torch
@@ -31,6 +32,8 @@ from hybridengine.rollout.runner import ModelRunner
 from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.sharding.switch import ShardedBuffer
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 __all__ = ["CollectiveError", "CompletionOutput", "EngineConfig", "HybridEngine", "RequestOutput"]
 
@@ -57,6 +60,9 @@ class HybridEngine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        if device.type == "cuda" and (config.expandable_segments
+                                      or (config.expandable_segments is None and not os.environ.get(ALLOC_CONF))):
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # see the config field
         # The engine's own process group: its collectives time out after collective_timeout_s, so that a
         # rank that fails inside a phase and stays alive cannot hold its peers for the default 30 minutes.
         self._timeout = datetime.timedelta(seconds=config.collective_timeout_s)

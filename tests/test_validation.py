@@ -288,6 +288,7 @@ def test_tensor_prompts_are_accepted():
     (dict(collective_timeout_s=INF), "collective_timeout_s must be a finite number"),
     (dict(collective_timeout_s="60"), "collective_timeout_s must be a finite number"),
     (dict(seed=2**70), r"seed must be in \[0, 9223372036854775808\)"), (dict(seed=-1), "seed must be in"),
+    (dict(expandable_segments=1), "expandable_segments must be None, True or False, got int"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=rf"EngineConfig: {match}"):
