@@ -9,7 +9,7 @@ from hybridengine.ops import segment_copy_ref
 
 from _models import MODELS, model_specs, reference_tp_slice
 
-pytestmark = pytest.mark.skipif(ops.EXTENSION_ERROR is not None, reason="hybridengine._C is not built")
+pytestmark = pytest.mark.needs_extension
 
 
 CASES = [(n, tg) for n in (1, 2, 3, 4, 6, 8) for tg in range(1, n + 1) if n % tg == 0]

@@ -5,7 +5,7 @@ from hybridengine import ops
 from conftest import throws_in_extension
 from hybridengine.ops import prepare_table, segment_copy, segment_copy_ref, split_rows, validate_table
 
-pytestmark = pytest.mark.skipif(ops.EXTENSION_ERROR is not None, reason="hybridengine._C is not built")
+pytestmark = pytest.mark.needs_extension
 
 
 def random_table(numel: int, num_rows: int, gen: torch.Generator) -> torch.Tensor:

@@ -8,13 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybridengine import ops
-
 sys.path.insert(0, os.path.dirname(__file__))
 from _dist import reporting, spawn  # noqa: E402
 from _models import MODELS, model_specs, reference_tp_slice  # noqa: E402
 
-pytestmark = pytest.mark.skipif(ops.EXTENSION_ERROR is not None, reason="hybridengine._C is not built")
+pytestmark = pytest.mark.needs_extension
 
 
 def full_params(specs, dtype, seed=1234):

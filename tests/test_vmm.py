@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.needs_extension]
 
 
 def vmm_range(nbytes):
