@@ -41,6 +41,17 @@ def pytest_runtest_setup(item):
                 pytrace=False)
 
 
+def chi_square_p_value(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness of fit of integer `samples` to the distribution `probs`: the chance that draws from
+    `probs` give a chi-square statistic at least this large (len(probs) - 1 degrees of freedom)."""
+    expected = samples.numel() * probs.double().cpu()
+    assert expected.min() >= 5, "the chi-square approximation needs >= 5 expected draws in every bin"
+    counts = torch.bincount(samples.flatten().cpu(), minlength=len(probs)).double()
+    assert len(counts) == len(probs), "a sample outside the distribution's support"
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    return torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2, dtype=torch.float64), statistic / 2).item()
+
+
 throws_in_extension = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="calls an extension op that throws: a C++ exception out of hybridengine._C segfaulted the GPU machine's "

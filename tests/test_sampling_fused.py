@@ -83,19 +83,25 @@ def test_sample_fused_equals_reference(device, dtype, V, splits, block):
     assert tok[1] == V // 3
 
 
-def test_sample_fused_ref_follows_the_distribution():
-    """The reference's race over 4000 independent keys samples softmax(logits / T)."""
-    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]]).repeat(4000, 1)
-    T = 0.7
-    keys = torch.arange(4000, dtype=torch.int64) * 7919 + 11
-    tokens, lp = sample_fused_ref(logits, torch.full((4000,), 1 / T), keys, torch.zeros(4000, dtype=torch.int32))
-    freq = torch.bincount(tokens, minlength=5).float() / 4000
+@pytest.mark.parametrize("drawn_at", [0.7, 0.9 * 0.7])
+def test_sample_fused_ref_follows_the_distribution(drawn_at):
+    """The reference's race over 20000 independent keys samples softmax(logits / T), T = 0.7: Pearson's
+    chi-square accepts its draws (p > 1e-4) and rejects a race run at 0.9 T instead (noncentrality
+    n * sum((p_0.9T - p_T)^2 / p_T) = 190 against the 1e-4 critical value 23.5 at 4 degrees of freedom)."""
+    from conftest import chi_square_p_value
+
+    n, T = 20000, 0.7
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]]).repeat(n, 1)
+    keys = torch.arange(n, dtype=torch.int64) * 7919 + 11
+    tokens, lp = sample_fused_ref(logits, torch.full((n,), 1 / drawn_at), keys, torch.zeros(n, dtype=torch.int32))
     probs = (logits[0] / T).softmax(-1)
-    torch.testing.assert_close(freq, probs, rtol=0, atol=0.035)  # ~4 sigma at n = 4000
-    torch.testing.assert_close(lp, probs.log()[tokens], rtol=0, atol=1e-5)
-    # the draw counter gives fresh numbers: the same key at draw 1 is another sample
-    again, _ = sample_fused_ref(logits, torch.full((4000,), 1 / T), keys, torch.ones(4000, dtype=torch.int32))
-    assert 0.2 < (again != tokens).float().mean() < 0.9
+    p_value = chi_square_p_value(tokens, probs)
+    assert (p_value > 1e-4) == (drawn_at == T), p_value
+    if drawn_at == T:
+        torch.testing.assert_close(lp, probs.log()[tokens], rtol=0, atol=1e-5)
+        # the draw counter gives fresh numbers: the same key at draw 1 is another sample
+        again, _ = sample_fused_ref(logits, torch.full((n,), 1 / T), keys, torch.ones(n, dtype=torch.int32))
+        assert 0.2 < (again != tokens).float().mean() < 0.9
 
 
 def test_sample_fused_rejects_bad_arguments():
