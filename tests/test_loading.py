@@ -72,9 +72,14 @@ def test_tied_checkpoint_with_equal_lm_head_is_accepted(tmp_path):
 
 
 def test_old_rotary_buffers_are_ignored(tmp_path):
-    _, folder = saved(tmp_path)
+    """A saved `rotary_emb.inv_freq` (here a wrong one) neither errors nor reaches the model: the rotary
+    frequencies come from the config, and the weights and logits are those of the checkpoint without it."""
+    hf, folder = saved(tmp_path)
     rewrite(folder, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
-    load_model(folder)
+    model = load_model(folder)
+    assert not any("rotary_emb" in n for n in model.flat_buffer.names)
+    assert torch.equal(model.flat_buffer.data, load_model(hf).flat_buffer.data)
+    assert (logits(model, hf.config.vocab_size) - logits(hf, hf.config.vocab_size)).abs().max() <= ATOL
 
 
 def test_config_init_is_seeded_and_hf_like():
