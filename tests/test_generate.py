@@ -217,8 +217,10 @@ def test_generate_outside_rollout_and_bad_params():
     with engine.rollout():
         with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them, got dict"):
             engine.generate([[1, 2]], dict(max_tokens=2))
-        with pytest.raises(ValueError, match="prompts must be a non-empty list"):
+        with pytest.raises(ValueError, match="prompts must be token ids .*got text: the engine has no tokenizer"):
             engine.generate("1 2")
+        with pytest.raises(ValueError, match="prompts must be a non-empty list"):
+            engine.generate([])
 
 
 def test_tp_all_reduce_modes_on_cpu():
