@@ -210,13 +210,15 @@ class HybridEngine:
 
     def log_probs(self, batch, *, temperature: float = 1.0, return_entropy: bool = False):
         """[B, max_len - 1] log-probs of batch's target tokens (fused over the LM head, no grad)."""
-        with self._guard.phase("log_probs", lambda: self._trainer().check("log_probs", batch, temperature=temperature)):
-            return self._trainer().log_probs(batch, temperature=temperature, return_entropy=return_entropy)
+        check = functools.partial(self._trainer().check, "log_probs", batch, temperature=temperature)
+        with self._guard.phase("log_probs", check):
+            return self._trainer().log_probs(batch, temperature=temperature, return_entropy=return_entropy,
+                                             checked=True)
 
     def values(self, batch) -> torch.Tensor:
         """Critic: [B, max_len - 1] values at the positions of batch's target tokens (no grad)."""
         with self._guard.phase("values", lambda: self._trainer().check("values", batch)):
-            return self._trainer().values(batch)
+            return self._trainer().values(batch, checked=True)
 
     def value_step(self, batch, config=None) -> dict:
         """Critic: one optimizer step with `value_loss` (batch.old_values, batch.returns, response_mask)."""
@@ -224,7 +226,7 @@ class HybridEngine:
 
         config = config if config is not None else ValueConfig()
         with self._guard.phase("value_step", lambda: self._trainer(config).check("value_step", batch, config)):
-            return self._trainer(config).value_step(batch, config)
+            return self._trainer(config).value_step(batch, config, checked=True)
 
     def ppo_step(self, batch, config=None) -> dict:
         """One PPO/GRPO optimizer step on this rank's batch: returns loss, metrics, grad_norm, lr, step_s,
@@ -233,7 +235,7 @@ class HybridEngine:
 
         config = config if config is not None else PPOConfig()
         with self._guard.phase("ppo_step", lambda: self._trainer(config).check("ppo_step", batch, config)):
-            return self._trainer(config).ppo_step(batch, config)
+            return self._trainer(config).ppo_step(batch, config, checked=True)
 
     # -- rollout ------------------------------------------------------------------------------------
 

@@ -26,17 +26,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import time
 from typing import Callable, Iterator
 
 import torch.distributed as dist
 
 __all__ = ["CollectiveError", "PhaseGuard"]
-
-# How long a rank whose collective failed looks for a peer's failure record before it reports the
-# failure as its own: a peer records before it re-raises, so the record is there by the time a
-# collective times out; a peer that died without recording is given this much grace.
-RECORD_WAIT_S = 1.0
 
 _engines = itertools.count()  # engines are built collectively: the n-th engine has the same n on every rank
 
@@ -88,7 +82,8 @@ class PhaseGuard:
         self._cpu_group = (group if dist.get_backend(group) == "gloo"
                            else dist.new_group(dist.get_process_group_ranks(group), timeout=timeout, backend="gloo"))
         self._global = dist.get_process_group_ranks(group)
-        self._store = dist.PrefixStore(f"hybridengine/engine{next(_engines)}/", dist.distributed_c10d._get_default_store())
+        self._store = dist.PrefixStore(f"hybridengine/engine{next(_engines)}/",
+                                       dist.distributed_c10d._get_default_store())
 
     @contextlib.contextmanager
     def phase(self, name: str, check: Callable[[], None] | None = None) -> Iterator[_Phase]:
@@ -122,9 +117,11 @@ class PhaseGuard:
         try:
             yield handle
         except BaseException as err:
-            if handle.consistent_error or (isinstance(err, CollectiveError) and err.usable):
-                raise  # every rank raises it alike (the work agreed on it): nothing is out of step
-            failed = self._peer_records(wait=_is_collective_error(err))
+            if handle.consistent_error:
+                raise  # every rank raises it alike: nothing is out of step
+            # A failing peer records itself before it re-raises (and before its process can exit), so
+            # by the time this rank's collective times out or loses its connection the record is there.
+            failed = self._peer_records()
             if failed:
                 ranks = ", ".join(str(r) for r in failed)
                 self.broken = CollectiveError(
@@ -160,7 +157,7 @@ class PhaseGuard:
         try:
             dist.all_gather_object(everyone, mine, group=self._cpu_group)
         except Exception as err:  # a peer broke earlier, died, or never came
-            failed = self._peer_records(wait=True)
+            failed = self._peer_records()
             self.broken = CollectiveError(
                 (f"rank {', '.join(map(str, failed))} failed earlier ({_describe(failed)})" if failed else
                  f"the ranks did not all reach {name} within collective_timeout_s={self.timeout_s:g} s "
@@ -191,25 +188,16 @@ class PhaseGuard:
         except Exception:  # noqa: BLE001 - the store is gone too: the peers still time out, unnamed
             pass
 
-    def _peer_records(self, wait: bool) -> dict[int, str]:
-        """The failures other ranks recorded ({global rank: message}); with `wait`, up to RECORD_WAIT_S for one."""
-        deadline = time.monotonic() + (RECORD_WAIT_S if wait else 0.0)
-        while True:
-            found = {}
-            try:
-                for r in self._global:
-                    if r != self._global[self.rank] and self._store.check([str(r)]):
-                        found[r] = self._store.get(str(r)).decode()
-            except Exception:  # noqa: BLE001 - the store is unreachable: report what we have
-                return found
-            if found or time.monotonic() >= deadline:
-                return found
-            time.sleep(0.05)
-
-
-def _is_collective_error(err: BaseException) -> bool:
-    return isinstance(err, (RuntimeError, dist.DistError)) and any(
-        k in str(err) for k in ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL"))
+    def _peer_records(self) -> dict[int, str]:
+        """The failures other ranks recorded: {global rank: message}."""
+        found = {}
+        try:
+            for r in self._global:
+                if r != self._global[self.rank] and self._store.check([str(r)]):
+                    found[r] = self._store.get(str(r)).decode()
+        except Exception:  # noqa: BLE001 - the store is unreachable: report what was found
+            pass
+        return found
 
 
 def _describe(failed: dict[int, str]) -> str:

@@ -2,6 +2,7 @@
 rank raise a `CollectiveError` naming it and the phase within `collective_timeout_s`; a rejected input
 raises on every rank at once and leaves the engine usable. 2 and 4 gloo ranks, every phase."""
 
+import contextlib
 import itertools
 import json
 import time
@@ -94,24 +95,16 @@ def _save(e, rank, path):
 def _inject(phase, engine):
     if phase in ("ppo_step", "log_probs", "values"):
         engine.sharded.gather_unit = fail_on_call(2, engine.sharded.gather_unit)
-        return contextlib_null()
+        return contextlib.nullcontext()
     if phase == "rollout":
         engine.sharded._gather_slices = fail_on_call(2, engine.sharded._gather_slices)
-        return contextlib_null()
+        return contextlib.nullcontext()
     if phase == "generate":
         engine._sampler = fail_on_call(2, engine._sampler)
-        return contextlib_null()
+        return contextlib.nullcontext()
     if phase == "save":
         return mock.patch.object(torch, "save", side_effect=OSError("injected: no space left on device"))
     raise AssertionError(phase)
-
-
-class contextlib_null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 CALLS = dict(ppo_step=_ppo_step, log_probs=_log_probs, values=_values, rollout=_rollout, generate=_generate,
@@ -125,7 +118,7 @@ def _fail_phase(rank, world, phase, tmp):
     call(engine, rank, *first)  # a good call first: every rank is in step
     t0 = time.monotonic()
     if phase == "save":  # save shares a rank's error with every rank itself: all raise, the engine stays usable
-        with _inject(phase, engine) if rank == 1 else contextlib_null():  # rank 1: its own OSError
+        with _inject(phase, engine) if rank == 1 else contextlib.nullcontext():  # rank 1: its own OSError
             with pytest.raises((RuntimeError, OSError), match=r"inject" if rank == 1 else
                                r"not written: ranks \[1\] failed to write their files .*inject"):
                 call(engine, rank, *second)

@@ -340,3 +340,12 @@ def test_cpu_kv_cache_too_small_for_one_sequence_and_explicit_sizes(monkeypatch)
     with pytest.raises(RuntimeError, match=r"EngineConfig.num_kv_blocks=100 needs .* GiB of KV cache, .* GiB of "
                                            "memory is available"):
         num_kv_blocks(explicit, model, torch.device("cpu"))
+
+
+def test_log_probs_rejects_a_bad_temperature_before_any_work():
+    engine = make_engine()
+    batch = he.PPOBatch(input_ids=batch_kwargs()["input_ids"])
+    for temperature in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match=r"log_probs: temperature must be (in \(0, inf\)|a finite number)"):
+            engine.log_probs(batch, temperature=temperature)
+    assert engine.log_probs(batch, temperature=0.5).shape == (2, 7)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from hybridengine import checks
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM, rope_cos_sin
 from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
@@ -261,9 +262,7 @@ class Trainer:
         if op == "log_probs":
             if self.critic:
                 raise ValueError("log_probs() needs an actor engine; this one is a critic (use values)")
-            if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-                    and math.isfinite(temperature) and temperature > 0):
-                raise ValueError(f"log_probs: temperature must be a finite number > 0, got {temperature!r}")
+            checks.number(op, "temperature", temperature, low=0, low_open=True)
             self._check_batch(op, batch)
         elif op == "values":
             if not self.critic:
@@ -301,9 +300,11 @@ class Trainer:
 
     @torch.no_grad()
     def log_probs(self, batch: PPOBatch, *, temperature: float = 1.0, micro_batch_tokens: int = 16384,
-                  return_entropy: bool = False):
-        """[B, max_len - 1] log-probs of the target tokens (zero past each sequence); entropy optional."""
-        self.check("log_probs", batch, temperature=temperature)
+                  return_entropy: bool = False, checked: bool = False):
+        """[B, max_len - 1] log-probs of the target tokens (zero past each sequence); entropy optional.
+        `checked`: the caller ran `check` on these arguments (as HybridEngine does), so it is not run again."""
+        if not checked:
+            self.check("log_probs", batch, temperature=temperature)
         width = max(batch.lengths) - 1
         logp = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
         ent = torch.zeros_like(logp) if return_entropy else None
@@ -319,10 +320,12 @@ class Trainer:
                     ent[b, :n] = e[i, :n].float()
         return (logp, ent) if return_entropy else logp
 
-    def ppo_step(self, batch: PPOBatch, cfg: PPOConfig) -> dict:
+    def ppo_step(self, batch: PPOBatch, cfg: PPOConfig, *, checked: bool = False) -> dict:
         """One optimizer step of the policy on this rank's batch; returns loss, metrics, grad_norm, lr, step,
-        skipped (1 when a NaN/inf gradient norm skipped the update), skipped_steps, timings."""
-        self.check("ppo_step", batch, cfg)
+        skipped (1 when a NaN/inf gradient norm skipped the update), skipped_steps, timings. `checked`: as
+        in `log_probs`."""
+        if not checked:
+            self.check("ppo_step", batch, cfg)
 
         def head_loss(h, head_w, rows, cu):
             hidden = self._unpack(h, cu)
@@ -335,9 +338,10 @@ class Trainer:
 
         return self._step(batch, cfg, head_loss)
 
-    def value_step(self, batch: PPOBatch, cfg: ValueConfig) -> dict:
-        """One optimizer step of the critic (`value_loss`) on this rank's batch."""
-        self.check("value_step", batch, cfg)
+    def value_step(self, batch: PPOBatch, cfg: ValueConfig, *, checked: bool = False) -> dict:
+        """One optimizer step of the critic (`value_loss`) on this rank's batch. `checked`: as in `log_probs`."""
+        if not checked:
+            self.check("value_step", batch, cfg)
 
         def head_loss(h, head_w, rows, cu):
             values = self._unpack(F.linear(h, head_w).squeeze(-1), cu)
@@ -473,9 +477,11 @@ class Trainer:
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
     @torch.no_grad()
-    def values(self, batch: PPOBatch, *, micro_batch_tokens: int = 16384) -> torch.Tensor:
-        """Critic: [B, max_len - 1] values at the positions of the target tokens (zero past each sequence)."""
-        self.check("values", batch)
+    def values(self, batch: PPOBatch, *, micro_batch_tokens: int = 16384, checked: bool = False) -> torch.Tensor:
+        """Critic: [B, max_len - 1] values at the positions of the target tokens (zero past each sequence).
+        `checked`: as in `log_probs`."""
+        if not checked:
+            self.check("values", batch)
         width = max(batch.lengths) - 1
         out = torch.zeros(len(batch.input_ids), width, dtype=torch.float32, device=self.device)
         for rows, normed, head_w, cu in self._scoring_passes(batch, micro_batch_tokens):
