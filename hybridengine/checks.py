@@ -8,6 +8,7 @@ arguments the engine built itself, use short `assert`s instead.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -52,6 +53,11 @@ def mask_bool(op: str, mask, shape, device, *, strict: bool = True) -> torch.Ten
     if strict and ((mask != 0) & (mask != 1)).any():
         raise ValueError(f"{op}: mask must hold only 0 and 1")
     return mask != 0
+
+
+def is_int(x) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def number(op: str, name: str, value, *, low: float | None = None, high: float | None = None,

@@ -100,7 +100,7 @@ class EngineConfig:
             device_type = torch.device(self.device).type
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"EngineConfig.device must name a torch device, got {checks.describe(self.device)}") from e
-        for name in ("tp_generation", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed"):
+        for name in ("tp_generation", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             checks.number(op, name, getattr(self, name), integer=True)
         checks.number(op, "seed", self.seed, low=0, high=2**63, high_open=True, integer=True)
         checks.number(op, "collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)

@@ -10,7 +10,6 @@ t + 1 runs. Before a prefill or a preemption the loop resolves the step in fligh
 from __future__ import annotations
 
 import math
-import numbers
 import time
 from dataclasses import dataclass
 
@@ -60,15 +59,15 @@ def check_requests(prompts, params: list[SamplingParams], *, vocab_size: int, co
         if isinstance(prompt, str):
             raise ValueError(f"prompts[{i}] is text ({prompt[:20]!r}); prompts must be token ids (the engine has no "
                              "tokenizer; encode the prompts first)")
-        if _is_token(prompt):
+        if checks.is_int(prompt):
             raise ValueError(f"prompts[{i}] is a single token id {prompt!r}: prompts must be a list of token-id "
                              "lists (for one prompt, pass [ids])")
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"prompts[{i}] must be a list of token ids, got {checks.describe(prompt)}")
         if len(prompt) == 0:
             raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-        if not all(map(_is_token, prompt)):
-            j = next(j for j, t in enumerate(prompt) if not _is_token(t))
+        if not all(map(checks.is_int, prompt)):
+            j = next(j for j, t in enumerate(prompt) if not checks.is_int(t))
             raise ValueError(f"prompts[{i}][{j}] must be an integer token id, got {checks.describe(prompt[j])}")
         if min(prompt) < 0 or max(prompt) >= vocab_size:
             bad = next(t for t in prompt if not 0 <= t < vocab_size)
@@ -82,11 +81,6 @@ def check_requests(prompts, params: list[SamplingParams], *, vocab_size: int, co
         need = math.ceil((len(prompt) + p.max_tokens) / config.block_size)
         if need > num_blocks:
             raise ValueError(f"prompts[{i}]: needs {need} KV blocks at its longest, the cache has {num_blocks}")
-
-
-def _is_token(t) -> bool:
-    """An integer (Python's or numpy's), not a bool or a float."""
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 @dataclass(frozen=True, slots=True)
