@@ -149,9 +149,37 @@ def _fail_phase(rank, world, phase, tmp):
     return took
 
 
+def _reject_and_mismatch(rank):
+    """A rejected input (a token id outside the vocabulary on rank 1) raises on every rank at once and
+    the engine stays usable; so do ranks that call different phases."""
+    engine = engine_for()
+    for phase in ("ppo_step", "log_probs"):
+        step = (lambda b: engine.ppo_step(b, CFG)) if phase == "ppo_step" else engine.log_probs
+        step(batch(rank))
+        t0 = time.monotonic()
+        if rank == 1:  # found before any collective
+            with pytest.raises(ValueError, match="vocab"):
+                step(batch(rank, bad_id=True))
+        else:
+            with pytest.raises(CollectiveError, match=rf"{phase}: rank 1 rejected its inputs before any work") as info:
+                step(batch(rank))
+            assert info.value.usable and list(info.value.failed) == [1]
+        assert time.monotonic() - t0 < TIMEOUT_S, "a rejected input must not wait for the timeout"
+        step(batch(rank))  # every rank carries on: nothing ran, the engine is usable
+    assert engine.trainer.optimizer.num_steps == 2
+    with pytest.raises(CollectiveError, match="called different phases"):
+        if rank == 0:
+            engine.log_probs(batch(rank))
+        else:
+            engine.ppo_step(batch(rank), CFG)
+    engine.log_probs(batch(rank))
+    assert engine.trainer.optimizer.num_steps == 2
+
+
 def _fail_worker(rank, world, init_file, phases, tmp, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank} (N={world})"):
+        _reject_and_mismatch(rank)
         took = {}
         for phase in phases:  # a fresh engine (and process group) per phase: the failure breaks the last one
             took[phase] = _fail_phase(rank, world, phase, tmp)
@@ -160,10 +188,12 @@ def _fail_worker(rank, world, init_file, phases, tmp, errors):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_rank_failing_inside_a_phase_fails_every_rank(world, tmp_path):
-    """Every phase: ppo_step, log_probs, values (critic), the switch (rollout), TP generation (tg = N,
+def test_ranks_fail_together(world, tmp_path):
+    """First a rejected input and a mismatched call (every rank raises at once, the engine stays usable);
+    then every phase: ppo_step, log_probs, values (critic), the switch (rollout), TP generation (tg = N,
     at N = 2: tiny-qwen2 has 2 KV heads), save. Rank 1 raises inside the phase's work and stays alive.
-    (save agrees on a failed write itself: every rank raises it at once and the engine stays usable.)"""
+    (save agrees on a failed write itself: every rank raises it at once and the engine stays usable.)
+    One set of processes per N: their start-up is most of the test's time."""
     phases = [p for p in CALLS if not (p == "generate" and world > 2)]
     spawn(_fail_worker, world, phases, str(tmp_path))
     took = {r: json.loads((tmp_path / f"took{r}.json").read_text()) for r in range(world)}
@@ -171,48 +201,6 @@ def test_a_rank_failing_inside_a_phase_fails_every_rank(world, tmp_path):
         print(f"N={world} {phase}: seconds to raise, per rank: "
               + ", ".join(f"{r}: {took[r][phase]:.2f}" for r in range(world)))
         assert all(took[r][phase] < TIMEOUT_S + SLACK_S for r in range(world) if r != 1)
-
-
-def _reject_worker(rank, world, init_file, errors):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    with reporting(errors, f"rank {rank} (N={world})"):
-        engine = engine_for()
-        for phase in ("ppo_step", "log_probs"):
-            step = (lambda b: engine.ppo_step(b, CFG)) if phase == "ppo_step" else engine.log_probs
-            step(batch(rank))
-            t0 = time.monotonic()
-            if rank == 1:  # a token id outside the vocabulary, found before any collective
-                with pytest.raises(ValueError, match="vocab"):
-                    step(batch(rank, bad_id=True))
-            else:
-                with pytest.raises(CollectiveError, match=rf"{phase}: rank 1 rejected its inputs before any work") \
-                        as info:
-                    step(batch(rank))
-                assert info.value.usable and list(info.value.failed) == [1]
-            assert time.monotonic() - t0 < TIMEOUT_S, "a rejected input must not wait for the timeout"
-            step(batch(rank))  # every rank carries on: nothing ran, the engine is usable
-        assert engine.trainer.optimizer.num_steps == 2
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_rejected_input_raises_on_every_rank_and_the_engine_stays_usable(world):
-    spawn(_reject_worker, world)
-
-
-def _mismatch_worker(rank, world, init_file, errors):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    with reporting(errors, f"rank {rank}"):
-        engine = engine_for()
-        with pytest.raises(CollectiveError, match="called different phases"):
-            if rank == 0:
-                engine.log_probs(batch(rank))
-            else:
-                engine.ppo_step(batch(rank), CFG)
-        engine.log_probs(batch(rank))
-
-
-def test_ranks_calling_different_phases_raise_before_any_work():
-    spawn(_mismatch_worker, 2)
 
 
 def test_alone_the_checks_still_run_and_nothing_is_collective():
