@@ -6,11 +6,15 @@ kernels do the part of a log-softmax that torch would spread over ~10 full-size 
 passes. Both stream each row in `BLOCK_V` slices and compute in fp32 after the load (bf16
 arithmetic in the Triton interpreter is silently wrong, and fp32 is what the math needs anyway).
 
-For a row of logits `x` with `z = x / T`, `lse = logsumexp(z)`, `log p = z - lse`:
+For a row of logits `x` with `z = x * inv_t` (`inv_t = 1 / T`), `lse = logsumexp(z)`, `log p = z - lse`:
 
 - `logit_stats`: `lse`, `logp = z[target] - lse`, `entropy = -sum p log p`, in one read of the
   row (online max/sum-exp; the entropy sum is kept relative to the running max, so
-  `entropy = log s - a / s` never subtracts two large numbers).
+  `entropy = log s - a / s` never subtracts two large numbers). `z = x * inv_t` with one inverse
+  temperature for all rows or one per row (a pointer: the sampler's batch mixes temperatures).
+  One program per row and a `BLOCK_V` chosen from the vocabulary size alone, so a row's results
+  are the same bits whatever the other rows and their number: the sampler and the trainer call it
+  on the same logits rows and get the same log-probs (`hybridengine.ops.ppo_loss.chosen_logprobs`).
 - `logit_grad_`: given per-row coefficients `g_logp = dL/dlogp` and `g_ent = dL/dentropy`,
   overwrites the row with `dL/dx = (g_logp * (onehot - p) - g_ent * p * (log p + entropy)) / T`
   (one read, one write).
@@ -46,9 +50,11 @@ def _round_to_bf16(x):
 
 @triton.jit
 def _logit_stats_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, logp_ptr, entropy_ptr, num_cols,
-                        inv_temperature, BLOCK_V: tl.constexpr):
+                        inv_temperature, BLOCK_V: tl.constexpr, PER_ROW_TEMPERATURE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
+    if PER_ROW_TEMPERATURE:  # inv_temperature is an fp32 [rows] pointer
+        inv_temperature = tl.load(inv_temperature + row)
     cols = tl.arange(0, BLOCK_V)
     m = tl.full((), _NEG_BIG, tl.float32)  # running max of z
     s = tl.zeros((), tl.float32)  # sum exp(z - m)
@@ -127,19 +133,26 @@ def _block_v(num_cols: int, block_v: int | None) -> int:
     return block_v
 
 
-def logit_stats(logits: torch.Tensor, targets: torch.Tensor, *, inv_temperature: float = 1.0,
+def logit_stats(logits: torch.Tensor, targets: torch.Tensor, *, inv_temperature: float | torch.Tensor = 1.0,
                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lse, logp, entropy) of every row of `logits / T`, fp32 [N] each; `out` to write into."""
+    """(lse, logp, entropy) of every row of `logits * inv_temperature`, fp32 [N] each; `out` to write
+    into. inv_temperature: a float for all rows, or a contiguous fp32 [N] tensor, one per row."""
     _check_rows(logits, targets, "logit_stats")
     rows, cols = logits.shape
     if out is None:
         out = tuple(torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     for what, v in zip(("lse", "logp", "entropy"), out):
         _check_vector(v, rows, logits.device, "logit_stats", what)
+    per_row = isinstance(inv_temperature, torch.Tensor)
+    if per_row:
+        _check_vector(inv_temperature, rows, logits.device, "logit_stats", "inv_temperature")
+    else:
+        inv_temperature = float(inv_temperature)
     if rows:
-        _logit_stats_kernel[(rows,)](logits, logits.stride(0), targets, *out, cols, float(inv_temperature),
-                                     BLOCK_V=_block_v(cols, block_v), num_warps=NUM_WARPS)
+        _logit_stats_kernel[(rows,)](logits, logits.stride(0), targets, *out, cols, inv_temperature,
+                                     BLOCK_V=_block_v(cols, block_v), PER_ROW_TEMPERATURE=per_row,
+                                     num_warps=NUM_WARPS)
     return out
 
 

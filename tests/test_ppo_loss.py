@@ -109,14 +109,16 @@ def run_policy(fn, batch, dtype=None, **loss_kw):
 
 
 def fused_policy(hidden, weight, targets, old, adv, mask, *, bias=None, temperature=1.0, ref_logprobs=None,
-                 chunk_rows=CHUNK, **cfg_kw):
-    """The Triton path, forced on CPU (the public op dispatches CPU tensors to the reference)."""
+                 rollout_logprobs=None, exact=False, chunk_rows=CHUNK, **cfg_kw):
+    """The Triton path, forced on CPU (the public op dispatches CPU tensors to the reference). exact: the
+    vocabulary block is the default one (from V alone), as `chosen_logprobs` takes it."""
     cfg = P.LossConfig(**cfg_kw)
     mask_bool, num_tokens = P._check_policy("test", hidden, weight, bias, targets, old, adv, mask, ref_logprobs,
-                                            temperature, cfg)
+                                            temperature, cfg, rollout_logprobs)
     return P._ppo_loss_fused(hidden, weight, targets, old, adv, mask_bool, num_tokens, bias=bias,
-                             temperature=temperature, ref_logprobs=ref_logprobs, cfg=cfg, chunk_rows=chunk_rows,
-                             block_v=block_v(weight.shape[0]))
+                             temperature=temperature, ref_logprobs=ref_logprobs, cfg=cfg,
+                             rollout_logprobs=rollout_logprobs, exact=exact, chunk_rows=chunk_rows,
+                             block_v=None if exact else block_v(weight.shape[0]))
 
 
 def max_err(x: torch.Tensor, truth: torch.Tensor) -> float:
@@ -138,6 +140,16 @@ def assert_fp64_close(name, got, truth, scale_terms):
     assert max_err(got, truth) <= bound, f"{name}: {max_err(got, truth):.3g} off the fp64 truth (allowed {bound:.2g})"
 
 
+ROLLOUT_METRICS = ("rollout_corr_weight", "rollout_corr_clipfrac", "rollout_corr_logprob_diff")
+"""The rollout correction's metrics (tests/test_rollout_correction.py); the formulas have the others."""
+
+
+def assert_rollout_metrics_off(metrics, mask):
+    """Without rollout_logprobs: weight 1 (0 when no token is masked in), clipfrac and diff 0, exactly."""
+    any_token = float(mask.any())
+    assert [metrics[k].item() for k in ROLLOUT_METRICS] == [any_token, 0.0, 0.0]
+
+
 def check_against_truth(batch, *, fused=fused_policy, **loss_kw):
     """The package's reference and `fused` against the formulas' float64 truth: loss, metrics, gradients."""
     kw = dict(loss_kw)
@@ -149,10 +161,12 @@ def check_against_truth(batch, *, fused=fused_policy, **loss_kw):
     for label, fn in (("reference", P.ppo_loss_ref), ("fused", fused)):
         got = results[label] = run_policy(fn, batch, **kw)
         assert_close_to_truth(f"{label} loss", got[0], same[0], truth[0])
-        assert set(got[1]) == set(P.METRICS)
+        assert set(got[1]) == set(P.METRICS) == set(truth[1]) | set(ROLLOUT_METRICS)
         for name in P.METRICS:
             assert got[1][name].shape == () and not got[1][name].requires_grad
+        for name in truth[1]:
             assert_close_to_truth(f"{label} {name}", got[1][name], same[1][name], truth[1][name])
+        assert_rollout_metrics_off(got[1], batch["mask"])
         for name in truth[2]:
             assert got[2][name].dtype == batch[name].dtype
             assert_close_to_truth(f"{label} grad {name}", got[2][name], same[2][name], truth[2][name])
@@ -201,11 +215,15 @@ from hybridengine.kernels import ppo_loss as K
 for dtype in ("bf16", "fp16", "fp32"):
     row = {"logits_ptr": f"*{dtype}", "stride_row": "i64", "targets_ptr": "*i64"}
     tail = {"num_cols": "i32", "inv_temperature": "fp32", "BLOCK_V": "constexpr"}
-    stats = {**row, "lse_ptr": "*fp32", "logp_ptr": "*fp32", "entropy_ptr": "*fp32", **tail}
+    stats = {**row, "lse_ptr": "*fp32", "logp_ptr": "*fp32", "entropy_ptr": "*fp32", **tail,
+             "PER_ROW_TEMPERATURE": "constexpr"}
     grad = {**row, "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
             **tail}
-    for kernel, signature in ((K._logit_stats_kernel, stats), (K._logit_grad_kernel, grad)):
-        src = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK_V": K.MAX_BLOCK_V})
+    for kernel, signature, constexprs in (
+            (K._logit_stats_kernel, stats, {"PER_ROW_TEMPERATURE": False}),
+            (K._logit_stats_kernel, {**stats, "inv_temperature": "*fp32"}, {"PER_ROW_TEMPERATURE": True}),
+            (K._logit_grad_kernel, grad, {})):
+        src = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK_V": K.MAX_BLOCK_V, **constexprs})
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": K.NUM_WARPS})
 """
 
@@ -339,8 +357,9 @@ def test_reference_fp64_matches_formulas(clip_low, clip_high, clip_ratio_c, esti
     got = run_policy(P.ppo_loss_ref, batch, **kw)
     terms = V + H + batch["mask"].numel()  # the longest sum behind any of the results
     assert_fp64_close("loss", got[0], truth[0], terms)
-    for name in P.METRICS:
+    for name in truth[1]:
         assert_fp64_close(name, got[1][name], truth[1][name], terms)
+    assert_rollout_metrics_off(got[1], batch["mask"])
     for name in truth[2]:
         assert_fp64_close(f"grad {name}", got[2][name], truth[2][name], terms)
 

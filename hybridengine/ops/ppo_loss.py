@@ -31,6 +31,23 @@ Precision: the chunk logits are rounded to the input dtype by the GEMM exactly a
 (`(hidden @ weight.T).float()`), and everything after that is fp32. grad_W is accumulated in the
 weight's dtype across chunks (one rounding per chunk; an fp32 accumulator would cost 2 GiB more
 at V = 152k, H = 3584).
+
+Exact log-probs (`exact=True`): the rollout's sampler and the trainer report the same bits for the
+same hidden states. The chunk logits come from the batch-invariant `linear_exact` (a row's bits do
+not depend on the other rows), and each row's log-prob from `chosen_logprobs`' own code: the
+`logit_stats` kernel with a per-row inverse temperature on the kernel path, `(x.float() * inv_t)
+.log_softmax(-1)` on the torch path; the temperature is applied as `x * inv_t` with `inv_t = 1 / T`
+rounded to fp32, as the sampler does. A token's log-prob is then independent of the batch, its
+padding and the chunking, so old log-probs taken from the rollout give a ratio of exactly 1 before
+the first update. Gradients keep the default path's math (cuBLAS on CUDA).
+
+Rollout correction (`rollout_correction`): where the rollout's log-probs still differ from the
+trainer's (`old_logprobs`), each token's policy-gradient term is weighted by a function of
+`r = pi_old / pi_rollout = exp(old - rollout)` (no gradient): "tis" (truncated importance
+sampling) `w = min(r, cap)`, "mis" (masked importance sampling) `w = 1` inside `[1 / cap, cap]`,
+else 0. The KL and entropy terms are not weighted, and the aggregation denominators stay the
+response mask's (a masked token still counts as a token). It costs O(M) elementwise work, fused
+into the per-chunk coefficients.
 """
 
 from __future__ import annotations
@@ -42,11 +59,14 @@ import torch
 import torch.nn.functional as F
 
 from hybridengine import checks
+from hybridengine.ops import _launch
 from hybridengine.ops._ext import warn_once
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
+ROLLOUT_CORRECTIONS = ("tis", "mis")
+METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "rollout_corr_weight",
+           "rollout_corr_clipfrac", "rollout_corr_logprob_diff")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 LOGITS_CHUNK_BYTES = 2**30
@@ -89,6 +109,11 @@ class LossConfig:
     """Weight of -agg(entropy) in the loss."""
     loss_agg: str = "token-mean"
     """token-mean, seq-mean-token-mean or seq-mean-token-sum."""
+    rollout_correction: str | None = None
+    """None, "tis" or "mis": weight each token's policy-gradient term by `min(r, cap)` ("tis") or by
+    `1 / cap <= r <= cap` ("mis"), r = exp(old_logprobs - rollout_logprobs); needs rollout_logprobs."""
+    rollout_correction_cap: float = 2.0
+    """The cap of the rollout correction (finite, > 1)."""
 
     def __post_init__(self):
         for name in ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "entropy_coef"):
@@ -109,6 +134,11 @@ class LossConfig:
         for name in ("kl_coef", "entropy_coef"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.rollout_correction is not None and self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be None, 'tis' or 'mis', got {self.rollout_correction!r}")
+        cap = self.rollout_correction_cap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (math.isfinite(cap) and cap > 1):
+            raise ValueError(f"rollout_correction_cap must be a finite number > 1, got {cap!r}")
 
 
 def _check_temperature(temperature: float) -> None:
@@ -215,9 +245,30 @@ def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
     return torch.clamp(torch.exp(x) - x - 1, -10, 10)
 
 
+def _rollout_weight(old: torch.Tensor, rollout: torch.Tensor | None, cfg: LossConfig, dt: torch.dtype
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-token (w, flagged) of the rollout correction, (None, None) when it is off: r = exp(old - rollout)
+    in `dt` (inf past exp's range, which min() and the band handle), "tis": w = min(r, cap), flagged where
+    r > cap; "mis": w = 1 where 1 / cap <= r <= cap, else 0 (flagged). No gradient. w is finite even
+    where r is NaN (garbage on masked-out tokens: cap for "tis", 0 for "mis"), so the zero gradient of a
+    masked-out token stays zero through `pg * w` (0 * NaN would be NaN)."""
+    if cfg.rollout_correction is None:
+        return None, None
+    cap = cfg.rollout_correction_cap
+    r = torch.exp(old.detach().to(dt) - rollout.detach().to(dt))
+    if cfg.rollout_correction == "tis":
+        kept = r <= cap
+        return torch.where(kept, r, cap), ~kept
+    inside = (r >= 1 / cap) & (r <= cap)
+    return inside.to(dt), ~inside
+
+
 def _policy_terms(logp: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  ref_logprobs: torch.Tensor | None, cfg: LossConfig) -> dict[str, torch.Tensor]:
-    """Per-token pg, kl (None without ref_logprobs), d, and the clip indicators: the issue's semantics, verbatim."""
+                  ref_logprobs: torch.Tensor | None, cfg: LossConfig, rollout_logprobs: torch.Tensor | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Per-token pg (rollout-corrected), kl (None without ref_logprobs), d, the clip indicators (of the
+    uncorrected terms) and the rollout correction's (w, flagged) (None when off): the issue's semantics,
+    verbatim."""
     dt = logp.dtype
     adv = advantages.to(dt)
     d = torch.clamp(logp - old_logprobs.to(dt), -20, 20)
@@ -232,32 +283,41 @@ def _policy_terms(logp: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
         pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
     else:
         dual = torch.zeros_like(clipped)
+    w, flagged = _rollout_weight(old_logprobs, rollout_logprobs, cfg, dt)
+    if w is not None:
+        pg = pg * w
     kl = None if ref_logprobs is None else _kl(logp, ref_logprobs.to(dt), cfg.kl_estimator)
-    return dict(pg=pg, kl=kl, d=d, clipped=clipped, dual=dual)
+    return dict(pg=pg, kl=kl, d=d, clipped=clipped, dual=dual, rollout_weight=w, rollout_flagged=flagged)
 
 
 def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 mask: torch.Tensor, ref_logprobs: torch.Tensor | None, cfg: LossConfig
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 mask: torch.Tensor, ref_logprobs: torch.Tensor | None, cfg: LossConfig,
+                 rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """loss and metrics from per-token logp and entropy [B, T] under a bool mask."""
     dt = logp.dtype
-    terms = _policy_terms(logp, old_logprobs, advantages, ref_logprobs, cfg)
+    terms = _policy_terms(logp, old_logprobs, advantages, ref_logprobs, cfg, rollout_logprobs)
     agg = lambda x: _aggregate(x, mask, cfg.loss_agg)  # noqa: E731
     token_mean = lambda x: _aggregate(x, mask, "token-mean")  # noqa: E731
     pg_loss = agg(terms["pg"])
     ent = agg(entropy)
     kl_loss = torch.zeros((), dtype=dt, device=logp.device) if terms["kl"] is None else agg(terms["kl"])
     loss = pg_loss - cfg.entropy_coef * ent + cfg.kl_coef * kl_loss
+    w, flagged = terms["rollout_weight"], terms["rollout_flagged"]
+    zeros = torch.zeros_like(logp)
+    diff = zeros if rollout_logprobs is None else (old_logprobs.to(dt) - rollout_logprobs.to(dt)).abs()
     metrics = dict(pg_loss=pg_loss, pg_clipfrac=token_mean(terms["clipped"].to(dt)),
                    pg_clipfrac_lower=token_mean(terms["dual"].to(dt)), ppo_kl=token_mean(-terms["d"]), entropy=ent,
-                   kl_loss=kl_loss)
+                   kl_loss=kl_loss, rollout_corr_weight=token_mean(torch.ones_like(logp) if w is None else w),
+                   rollout_corr_clipfrac=token_mean(zeros if flagged is None else flagged.to(dt)),
+                   rollout_corr_logprob_diff=token_mean(diff))
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def _policy_grad_logp(logp, old, adv, ref, weights, cfg: LossConfig) -> torch.Tensor:
+def _policy_grad_logp(logp, old, adv, ref, weights, cfg: LossConfig, rollout_weight=None) -> torch.Tensor:
     """dloss/dlogp per token (1-D), written out by hand with torch autograd's conventions for the
     same expressions as `_policy_loss`: clamp passes the gradient on its closed interval, maximum and
-    minimum split it in half on ties, where() routes it to the chosen branch."""
+    minimum split it in half on ties, where() routes it to the chosen branch. rollout_weight: the
+    rollout correction's w per token (`_rollout_weight`), None when off."""
     dt = logp.dtype
     adv = adv.to(dt)
     raw = logp - old.to(dt)
@@ -275,6 +335,8 @@ def _policy_grad_logp(logp, old, adv, ref, weights, cfg: LossConfig) -> torch.Te
         capped = torch.where(pg < pg3, g, torch.where(pg == pg3, 0.5 * g, 0.0))
         g = torch.where(adv < 0, capped, g)
     grad = g * ratio * ((raw >= -20) & (raw <= 20)).to(dt)
+    if rollout_weight is not None:
+        grad = grad * rollout_weight
     if ref is not None and cfg.kl_coef != 0:
         ref = ref.to(dt)
         if cfg.kl_estimator == "k1":
@@ -296,8 +358,15 @@ def _policy_grad_logp(logp, old, adv, ref, weights, cfg: LossConfig) -> torch.Te
 # references
 
 
-def _logprobs_ref(hidden, weight, targets, bias, temperature) -> tuple[torch.Tensor, torch.Tensor]:
-    """Naive: the full [B, T, V] logits in the input dtype, then fp32 (fp64 for fp64 inputs)."""
+def _logprobs_ref(hidden, weight, targets, bias, temperature, exact=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive: the full [B, T, V] logits in the input dtype, then fp32 (fp64 for fp64 inputs).
+    exact: the logits of `linear_exact` and `chosen_logprobs`' torch code (fp32, `* inv_t`)."""
+    if exact:
+        B, T, H = hidden.shape
+        logits = _linear_exact(hidden.reshape(B * T, H), weight, bias)
+        log_probs = _scaled_log_softmax(logits, _inv_temperature_rows(1.0 / temperature, B * T, logits.device))
+        logp = log_probs.gather(-1, targets.reshape(B * T, 1).long()).view(B, T)
+        return logp, -(log_probs.exp() * log_probs).sum(-1).view(B, T)
     logits = F.linear(hidden, weight, bias)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     log_probs = torch.log_softmax(z, dim=-1)
@@ -306,35 +375,58 @@ def _logprobs_ref(hidden, weight, targets, bias, temperature) -> tuple[torch.Ten
     return logp, entropy
 
 
+def _linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # Imported on first use: it loads Triton kernels, which must come after TRITON_INTERPRET is set.
+    from hybridengine.ops.exact_linear import linear_exact
+
+    return linear_exact(x, weight, bias)
+
+
+def _inv_temperature_rows(inv_temperature, rows: int, device) -> torch.Tensor:
+    """inv_temperature (a float, rounded once to fp32, or an fp32 [rows] tensor) as an fp32 [rows] tensor."""
+    if isinstance(inv_temperature, torch.Tensor):
+        return inv_temperature
+    return torch.full((rows,), inv_temperature, dtype=torch.float32, device=device)
+
+
+def _scaled_log_softmax(logits: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits * inv_t) per row in fp32: `chosen_logprobs`' torch path (row-invariant:
+    CPU and CUDA softmax reduce each row on its own)."""
+    return (logits.float() * inv_t[:, None]).log_softmax(-1)
+
+
 def ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask, *, bias=None, temperature=1.0,
                  clip_low=0.2, clip_high=0.2, clip_ratio_c=None, ref_logprobs=None, kl_coef=0.0, kl_estimator="k3",
-                 entropy_coef=0.0, loss_agg="token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 entropy_coef=0.0, loss_agg="token-mean", rollout_logprobs=None, rollout_correction=None,
+                 rollout_correction_cap=2.0, exact=False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Plain-torch `ppo_loss`: materialises the full logits in fp32 (the tests' and benches' reference)."""
     cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
-                      kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
+                      kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg,
+                      rollout_correction=rollout_correction, rollout_correction_cap=rollout_correction_cap)
     mask_bool, _ = _check_policy("ppo_loss_ref", hidden, weight, bias, targets, old_logprobs, advantages, mask,
-                                 ref_logprobs, temperature, cfg)
+                                 ref_logprobs, temperature, cfg, rollout_logprobs)
     return _ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask_bool, bias, temperature,
-                         ref_logprobs, cfg)
+                         ref_logprobs, cfg, rollout_logprobs, exact)
 
 
-def _ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask_bool, bias, temperature, ref_logprobs, cfg):
+def _ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask_bool, bias, temperature, ref_logprobs, cfg,
+                  rollout_logprobs=None, exact=False):
     safe_targets = torch.where(mask_bool, targets, torch.zeros_like(targets))  # masked-out targets may be padding
-    logp, entropy = _logprobs_ref(hidden, weight, safe_targets, bias, temperature)
-    return _policy_loss(logp, entropy, old_logprobs, advantages, mask_bool, ref_logprobs, cfg)
+    logp, entropy = _logprobs_ref(hidden, weight, safe_targets, bias, temperature, exact)
+    return _policy_loss(logp, entropy, old_logprobs, advantages, mask_bool, ref_logprobs, cfg, rollout_logprobs)
 
 
-def token_logprobs_ref(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False):
+def token_logprobs_ref(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False, exact=False):
     """Plain-torch `token_logprobs`: full logits in fp32."""
     _check_head("token_logprobs_ref", hidden, weight, bias, targets)
     _check_temperature(temperature)
     _check_values("token_logprobs_ref", targets, weight.shape[0], None, None)
-    logp, entropy = _logprobs_ref(hidden, weight, targets, bias, temperature)
+    logp, entropy = _logprobs_ref(hidden, weight, targets, bias, temperature, exact)
     return (logp, entropy) if return_entropy else logp
 
 
 def _check_policy(op, hidden, weight, bias, targets, old_logprobs, advantages, mask, ref_logprobs, temperature,
-                  cfg: LossConfig) -> tuple[torch.Tensor, int]:
+                  cfg: LossConfig, rollout_logprobs=None) -> tuple[torch.Tensor, int]:
     """All of ppo_loss's checks; returns the bool mask and the number of masked-in tokens."""
     _check_head(op, hidden, weight, bias, targets)
     _check_temperature(temperature)
@@ -345,6 +437,10 @@ def _check_policy(op, hidden, weight, bias, targets, old_logprobs, advantages, m
         _check_bt(op, "ref_logprobs", ref_logprobs, shape, device)
     elif cfg.kl_coef != 0:
         raise ValueError(f"{op}: kl_coef = {cfg.kl_coef} needs ref_logprobs")
+    if rollout_logprobs is not None:
+        _check_bt(op, "rollout_logprobs", rollout_logprobs, shape, device)
+    elif cfg.rollout_correction is not None:
+        raise ValueError(f"{op}: rollout_correction = {cfg.rollout_correction!r} needs rollout_logprobs")
     mask_bool = _mask_bool(op, mask, shape, device, strict=False)  # 0/1 checked with the targets, one sync
     num_tokens = _check_values(op, targets, weight.shape[0], mask, mask_bool)
     return mask_bool, num_tokens
@@ -384,7 +480,8 @@ def _kernels():
 
 def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                rows: torch.Tensor | None, *, temperature: float, coefs=None, grad_hidden=None, grad_weight=None,
-               grad_bias=None, chunk_rows: int | None = None, block_v: int | None = None, grad_bytes: int = 0):
+               grad_bias=None, chunk_rows: int | None = None, block_v: int | None = None, grad_bytes: int = 0,
+               exact: bool = False):
     """One pass over the LM head, chunk by chunk, never holding more than one [C, V] logits chunk.
 
     hidden [B, T, H] (any strides: a [:, -T:] slice of the prompt+response states is read chunk by
@@ -393,6 +490,8 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     With `coefs(start, end, logp, entropy) -> (dL/dlogp, dL/dentropy)` for the chunk's selected rows,
     also turns each chunk into dL/dlogits and accumulates it into grad_hidden [B * T, H] (rows not
     selected are left alone), grad_weight [V, H] and grad_bias (fp32 [V]), whichever are given.
+    exact: each chunk's logits from `linear_exact` and its stats from the per-row-temperature kernel,
+    the code of `chosen_logprobs` (the gradients are the same either way).
     """
     kernels = _kernels()
     B, T, H = hidden.shape
@@ -407,8 +506,11 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if num == 0:
         return stats
     chunk = chunk_rows or _chunk_rows(num, vocab, hidden.element_size(), grad_bytes)
-    buffer = torch.empty(min(chunk, num), vocab, dtype=hidden.dtype, device=device)
     inv_t = 1.0 / temperature
+    if exact:  # linear_exact allocates each chunk's logits itself
+        buffer, inv_t_rows = None, _inv_temperature_rows(inv_t, min(chunk, num), device)
+    else:
+        buffer = torch.empty(min(chunk, num), vocab, dtype=hidden.dtype, device=device)
     for start in range(0, num, chunk):
         end = min(start + chunk, num)
         index = None if rows is None else rows[start:end]
@@ -418,13 +520,18 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         else:
             h = flat[start:end] if index is None else flat.index_select(0, index)
         t = targets[start:end] if index is None else targets.index_select(0, index)
-        x = buffer[:end - start]
-        if bias is None:
-            torch.mm(h, weight.t(), out=x)
-        else:
-            torch.addmm(bias, h, weight.t(), out=x)
         lse, logp, ent = (s[start:end] for s in stats)
-        kernels.logit_stats(x, t, inv_temperature=inv_t, out=(lse, logp, ent), block_v=block_v)
+        if exact:
+            x = None  # the previous chunk's logits go before the next are allocated
+            x = _linear_exact(h, weight, bias)
+            kernels.logit_stats(x, t, inv_temperature=inv_t_rows[:end - start], out=(lse, logp, ent), block_v=block_v)
+        else:
+            x = buffer[:end - start]
+            if bias is None:
+                torch.mm(h, weight.t(), out=x)
+            else:
+                torch.addmm(bias, h, weight.t(), out=x)
+            kernels.logit_stats(x, t, inv_temperature=inv_t, out=(lse, logp, ent), block_v=block_v)
         if coefs is None:
             continue
         g_logp, g_ent = coefs(start, end, logp, ent)
@@ -459,8 +566,8 @@ class _FusedPolicyLoss(torch.autograd.Function):
     """Forward computes loss, metrics and all gradients; backward scales the gradients by grad_output."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, old_logprobs, advantages, mask_bool, ref_logprobs, rows,
-                cfg, temperature, needs, chunk_rows, block_v):
+    def forward(ctx, hidden, weight, bias, targets, old_logprobs, advantages, mask_bool, ref_logprobs,
+                rollout_logprobs, rows, cfg, temperature, needs, chunk_rows, block_v, exact):
         B, T, H = hidden.shape
 
         def flat(x):  # [B, T] -> the computed rows
@@ -470,21 +577,22 @@ class _FusedPolicyLoss(torch.autograd.Function):
 
         weights = flat(_agg_weights(mask_bool, cfg.loss_agg, torch.float32))
         old, adv, ref = flat(old_logprobs), flat(advantages), flat(ref_logprobs)
+        rollout_w, _ = _rollout_weight(old, flat(rollout_logprobs), cfg, torch.float32)
         g_ent = -cfg.entropy_coef * weights
 
         def coefs(start, end, logp, ent):
             part = slice(start, end)
             g_logp = _policy_grad_logp(logp, old[part], adv[part], None if ref is None else ref[part],
-                                       weights[part], cfg)
+                                       weights[part], cfg, None if rollout_w is None else rollout_w[part])
             return g_logp, g_ent[part]
 
         grad_h, grad_w, grad_b = _grad_buffers(hidden, weight, bias, needs, rows)
         _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1).long(), rows, temperature=temperature,
                                       coefs=coefs if any(needs) else None, grad_hidden=grad_h, grad_weight=grad_w,
                                       grad_bias=grad_b, chunk_rows=chunk_rows, block_v=block_v,
-                                      grad_bytes=_grad_bytes(hidden, weight, needs))
+                                      grad_bytes=_grad_bytes(hidden, weight, needs), exact=exact)
         loss, metrics = _policy_loss(_scatter(logp, rows, B, T), _scatter(entropy, rows, B, T), old_logprobs,
-                                     advantages, mask_bool, ref_logprobs, cfg)
+                                     advantages, mask_bool, ref_logprobs, cfg, rollout_logprobs)
         ctx.hidden_shape = hidden.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.consumed = False
@@ -507,7 +615,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
             grad_w = grad_w.mul_(grad_loss)
         if grad_b is not None:
             grad_b = grad_b.mul_(grad_loss).to(ctx.bias_dtype)
-        return grad_h, grad_w, grad_b, *([None] * 11)
+        return grad_h, grad_w, grad_b, *([None] * 13)
 
 
 def _scatter(values: torch.Tensor, rows: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
@@ -518,13 +626,14 @@ def _scatter(values: torch.Tensor, rows: torch.Tensor | None, B: int, T: int) ->
 
 
 def _ppo_loss_fused(hidden, weight, targets, old_logprobs, advantages, mask_bool, num_tokens, *, bias, temperature,
-                    ref_logprobs, cfg, chunk_rows=None, block_v=None):
+                    ref_logprobs, cfg, rollout_logprobs=None, exact=False, chunk_rows=None, block_v=None):
     """The Triton path (inputs already validated); runs on CPU tensors under TRITON_INTERPRET=1 too."""
     rows = None if num_tokens == mask_bool.numel() else mask_bool.reshape(-1).nonzero().squeeze(1)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
     loss, *values = _FusedPolicyLoss.apply(hidden, weight, bias, targets, old_logprobs, advantages, mask_bool,
-                                           ref_logprobs, rows, cfg, temperature, needs, chunk_rows, block_v)
+                                           ref_logprobs, rollout_logprobs, rows, cfg, temperature, needs, chunk_rows,
+                                           block_v, exact)
     return loss, dict(zip(METRICS, values))
 
 
@@ -532,18 +641,18 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     """Forward: stats only (2*M*H*V). Backward: recomputes each chunk and applies the row gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, needs, chunk_rows, block_v):
+    def forward(ctx, hidden, weight, bias, targets, temperature, needs, chunk_rows, block_v, exact):
         B, T, H = hidden.shape
-        _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1), None,
-                                      temperature=temperature, chunk_rows=chunk_rows, block_v=block_v)
+        _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1), None, temperature=temperature,
+                                      chunk_rows=chunk_rows, block_v=block_v, exact=exact)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.args = (temperature, needs, chunk_rows, block_v)
+        ctx.args = (temperature, needs, chunk_rows, block_v, exact)
         return logp.view(B, T), entropy.view(B, T)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets = ctx.saved_tensors
-        temperature, needs, chunk_rows, block_v = ctx.args
+        temperature, needs, chunk_rows, block_v, exact = ctx.args
         B, T, H = hidden.shape
         zeros = torch.zeros(B * T, dtype=torch.float32, device=hidden.device)
         g_logp = zeros if grad_logp is None else grad_logp.reshape(-1).float()
@@ -552,23 +661,24 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         _head_pass(hidden, weight, bias, targets.reshape(-1), None, temperature=temperature,
                    coefs=lambda s, e, *_: (g_logp[s:e], g_ent[s:e]), grad_hidden=grad_h, grad_weight=grad_w,
                    grad_bias=grad_b, chunk_rows=chunk_rows, block_v=block_v,
-                   grad_bytes=_grad_bytes(hidden, weight, needs))
+                   grad_bytes=_grad_bytes(hidden, weight, needs), exact=exact)
         if grad_h is not None:
             grad_h = grad_h.view(B, T, H)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
-def _token_logprobs_fused(hidden, weight, targets, *, bias, temperature, chunk_rows=None, block_v=None):
+def _token_logprobs_fused(hidden, weight, targets, *, bias, temperature, exact=False, chunk_rows=None, block_v=None):
     targets = targets.long()
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
     if any(needs):
-        return _FusedTokenLogprobs.apply(hidden, weight, bias, targets, temperature, needs, chunk_rows, block_v)
+        return _FusedTokenLogprobs.apply(hidden, weight, bias, targets, temperature, needs, chunk_rows, block_v,
+                                         exact)
     B, T, H = hidden.shape
-    _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1), None,
-                                  temperature=temperature, chunk_rows=chunk_rows, block_v=block_v)
+    _, logp, entropy = _head_pass(hidden, weight, bias, targets.reshape(-1), None, temperature=temperature,
+                                  chunk_rows=chunk_rows, block_v=block_v, exact=exact)
     return logp.view(B, T), entropy.view(B, T)
 
 
@@ -595,47 +705,104 @@ def _use_kernels(op: str, hidden: torch.Tensor) -> bool:
 
 def ppo_loss(hidden, weight, targets, old_logprobs, advantages, mask, *, bias=None, temperature=1.0, clip_low=0.2,
              clip_high=0.2, clip_ratio_c=None, ref_logprobs=None, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
-             loss_agg="token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             loss_agg="token-mean", rollout_logprobs=None, rollout_correction=None, rollout_correction_cap=2.0,
+             exact=False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped policy loss straight from the last hidden states and the LM head.
 
     hidden [B, T, H] (bf16/fp32), weight [V, H], bias [V] or None, targets [B, T] int (any value
-    where mask is 0), old_logprobs / advantages / ref_logprobs [B, T] float, mask [B, T] 0/1.
-    `z = (hidden @ weight.T + bias) / temperature`, `logp = log_softmax(z)[targets]`,
+    where mask is 0), old_logprobs / advantages / ref_logprobs / rollout_logprobs [B, T] float,
+    mask [B, T] 0/1. `z = (hidden @ weight.T + bias) / temperature`, `logp = log_softmax(z)[targets]`,
     `d = clamp(logp - old, -20, 20)`, `ratio = exp(d)`, `pg = max(-A * ratio, -A * clamp(ratio,
     1 - clip_low, 1 + clip_high))`, capped at `-A * clip_ratio_c` where A < 0 (dual clip), and
-    `loss = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref))`.
+    `loss = agg(w * pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref))`.
+
+    w is the rollout correction (1 when `rollout_correction` is None), from `r = exp(old -
+    rollout_logprobs)` without gradient: "tis" `w = min(r, rollout_correction_cap)`, "mis" `w = 1`
+    where `1 / cap <= r <= cap`, else 0. Only the policy-gradient term is weighted; the aggregation
+    denominators stay the mask's. `exact=True`: the log-probs are `chosen_logprobs` of the
+    batch-invariant `linear_exact` logits (with `inv_t = 1 / temperature` in fp32), the same bits the
+    sampler reports for the same hidden states, whatever the batch.
 
     Returns (loss, metrics): metrics are detached 0-dim fp32 tensors `pg_loss`, `pg_clipfrac`,
-    `pg_clipfrac_lower`, `ppo_kl` (token-mean of -d), `entropy` (agg), `kl_loss` (agg; 0 without
-    ref_logprobs). Gradients flow to hidden, weight and bias. On CUDA the fused Triton path runs
-    (one pass, one [C, V] chunk of logits at a time); elsewhere the plain-torch reference.
+    `pg_clipfrac_lower` (both of the uncorrected terms), `ppo_kl` (token-mean of -d), `entropy`
+    (agg), `kl_loss` (agg; 0 without ref_logprobs), and over the response tokens (token means):
+    `rollout_corr_weight` (w; 1 when off), `rollout_corr_clipfrac` (tokens with r > cap for "tis",
+    r outside [1 / cap, cap] for "mis"; 0 when off) and `rollout_corr_logprob_diff` (|old -
+    rollout|, whenever rollout_logprobs is given; 0 without). All are 0 when no token is masked in.
+    Gradients flow to hidden, weight and bias. On CUDA the fused Triton path runs (one pass, one
+    [C, V] chunk of logits at a time); elsewhere the plain-torch reference.
     """
     cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
-                      kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
+                      kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg,
+                      rollout_correction=rollout_correction, rollout_correction_cap=rollout_correction_cap)
     mask_bool, num_tokens = _check_policy("ppo_loss", hidden, weight, bias, targets, old_logprobs, advantages, mask,
-                                          ref_logprobs, temperature, cfg)
+                                          ref_logprobs, temperature, cfg, rollout_logprobs)
     if _use_kernels("ppo_loss", hidden):
         return _ppo_loss_fused(hidden, weight, targets, old_logprobs, advantages, mask_bool, num_tokens, bias=bias,
-                               temperature=temperature, ref_logprobs=ref_logprobs, cfg=cfg)
+                               temperature=temperature, ref_logprobs=ref_logprobs, cfg=cfg,
+                               rollout_logprobs=rollout_logprobs, exact=exact)
     return _ppo_loss_ref(hidden, weight, targets, old_logprobs, advantages, mask_bool, bias, temperature,
-                         ref_logprobs, cfg)
+                         ref_logprobs, cfg, rollout_logprobs, exact)
 
 
-def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False):
+def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False, exact=False):
     """log_softmax((hidden @ weight.T + bias) / temperature)[targets], fp32 [B, T], without the logits.
 
     With return_entropy, also the entropy of each token's distribution: (logp, entropy). For
     rollout log-prob recompute and reference-model log-probs; differentiable (the backward
-    recomputes the logits chunk by chunk).
+    recomputes the logits chunk by chunk). exact=True: `logp[b, t]` is bitwise
+    `chosen_logprobs(linear_exact(hidden[b, t][None], weight, bias), targets[b, t][None], 1 / temperature)`
+    whatever the batch, its padding and the chunking (see the module docstring).
     """
     _check_head("token_logprobs", hidden, weight, bias, targets)
     _check_temperature(temperature)
     _check_values("token_logprobs", targets, weight.shape[0], None, None)
     if _use_kernels("token_logprobs", hidden):
-        logp, entropy = _token_logprobs_fused(hidden, weight, targets, bias=bias, temperature=temperature)
+        logp, entropy = _token_logprobs_fused(hidden, weight, targets, bias=bias, temperature=temperature, exact=exact)
     else:
-        logp, entropy = _logprobs_ref(hidden, weight, targets, bias, temperature)
+        logp, entropy = _logprobs_ref(hidden, weight, targets, bias, temperature, exact)
     return (logp, entropy) if return_entropy else logp
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inv_temperature: float | torch.Tensor
+                    ) -> torch.Tensor:
+    """log_softmax(logits * inv_temperature)[tokens] per row, fp32 [R]: the rollout's log-probs.
+
+    logits [R, V] (bf16/fp16/fp32, as `linear_exact` returns them), tokens [R] int64 in [0, V) (not
+    checked: that would cost a host sync per decode step), inv_temperature a float > 0 (rounded once
+    to fp32) or an fp32 [R] tensor (1 / T per row). Batch-invariant: a row's bits do not depend on the
+    other rows or on R. The `logit_stats` kernel (one program per row, BLOCK_V from V alone) where
+    `_launch.use_kernel` says so (CUDA), else `(logits.float() * inv_t).log_softmax(-1)` gathered per
+    row. `token_logprobs(exact=True)` and `ppo_loss(exact=True)` run the same code on the trainer's
+    logits.
+    """
+    op = "chosen_logprobs"
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"{op}: logits must be a float [R, V] tensor, got {checks.describe(logits)}")
+    rows = logits.shape[0]
+    if (not isinstance(tokens, torch.Tensor) or tokens.shape != (rows,) or tokens.dtype != torch.int64
+            or tokens.device != logits.device):
+        raise ValueError(f"{op}: tokens must be an int64 [R] = [{rows}] tensor on {logits.device}, got "
+                         f"{checks.describe(tokens)}")
+    if isinstance(inv_temperature, torch.Tensor):
+        if (inv_temperature.shape != (rows,) or inv_temperature.dtype != torch.float32
+                or inv_temperature.device != logits.device):
+            raise ValueError(f"{op}: inv_temperature must be a float > 0 or an fp32 [R] = [{rows}] tensor on "
+                             f"{logits.device}, got {checks.describe(inv_temperature)}")
+        inv_t = inv_temperature.contiguous()
+    else:
+        if not (isinstance(inv_temperature, (int, float)) and not isinstance(inv_temperature, bool)
+                and math.isfinite(inv_temperature) and inv_temperature > 0):
+            raise ValueError(f"{op}: inv_temperature must be a finite number > 0 or an fp32 [R] tensor, got "
+                             f"{inv_temperature!r}")
+        inv_t = _inv_temperature_rows(float(inv_temperature), rows, logits.device)
+    if _launch.use_kernel(logits):
+        if logits.dtype in KERNEL_DTYPES:
+            _, logp, _ = _kernels().logit_stats(logits if logits.stride(-1) == 1 else logits.contiguous(), tokens,
+                                                inv_temperature=inv_t)
+            return logp
+        warn_once(f"{op}: no kernel for {logits.dtype} logits; running the torch formula")
+    return _scaled_log_softmax(logits, inv_t).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2, loss_agg="token-mean") -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from hybridengine import checks
 
-_FIELDS = ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "old_values", "returns")
+_FIELDS = ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs", "old_values", "returns")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,6 +29,9 @@ class PPOBatch:
     old_logprobs: list[torch.Tensor] | None = None
     advantages: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    rollout_logprobs: list[torch.Tensor] | None = None
+    """The sampler's log-probs of the target tokens (what the rollout drew them with); the rollout
+    correction (`PPOConfig.rollout_correction`) weighs old_logprobs against them."""
     old_values: list[torch.Tensor] | None = None
     """Critic: the values at rollout time (for value clipping)."""
     returns: list[torch.Tensor] | None = None

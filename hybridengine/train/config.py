@@ -8,7 +8,8 @@ from typing import Callable
 from hybridengine import checks
 from hybridengine.ops.ppo_loss import LOSS_AGGS, LossConfig
 
-LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
+LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg",
+               "rollout_correction", "rollout_correction_cap")
 """The fields of `PPOConfig` that configure `ppo_loss` (validated by `LossConfig`)."""
 NONFINITE_GRAD = ("skip", "warn", "raise")
 """What a step does when its gradient norm is NaN or inf (`_StepConfig.nonfinite_grad`)."""
@@ -80,6 +81,13 @@ class PPOConfig(_StepConfig):
     entropy_coef: float = 0.0
     temperature: float = 1.0
     """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
+    rollout_correction: str | None = None
+    """None, "tis" or "mis": weight each token's policy-gradient term by r = pi_old / pi_rollout =
+    exp(old_logprobs - rollout_logprobs), truncated ("tis": min(r, cap)) or masked ("mis": 1 inside
+    [1 / cap, cap], else 0), for rollouts whose log-probs differ from the trainer's. Needs
+    batch.rollout_logprobs (`check_batch`)."""
+    rollout_correction_cap: float = 2.0
+    """The rollout correction's cap (finite, > 1)."""
 
     def validate(self) -> None:
         self._check_step("PPOConfig")
@@ -92,6 +100,15 @@ class PPOConfig(_StepConfig):
     def loss_kwargs(self) -> dict:
         """The keyword arguments of `ppo_loss` this config sets."""
         return {name: getattr(self, name) for name in (*LOSS_FIELDS, "temperature")}
+
+    def check_batch(self, batch) -> None:
+        """Raise ValueError when the batch lacks a field this config needs beyond the policy's own
+        (response_mask, old_logprobs, advantages): ref_logprobs for a nonzero kl_coef, rollout_logprobs
+        for a rollout correction. The fields' shapes and values are `PPOBatch.validate`'s."""
+        if self.kl_coef and batch.ref_logprobs is None:
+            raise ValueError("PPOConfig.kl_coef > 0 needs batch.ref_logprobs")
+        if self.rollout_correction is not None and batch.rollout_logprobs is None:
+            raise ValueError(f"PPOConfig.rollout_correction = {self.rollout_correction!r} needs batch.rollout_logprobs")
 
 
 @dataclass(kw_only=True, slots=True)
