@@ -1,0 +1,217 @@
+"""`linear_exact`: a batch-invariant linear, y = x @ weight^T (+ bias), for log-probs that the rollout and the
+trainer compute bit for bit alike.
+
+The rollout runs a layer's projections on a few rows at a time with stacked weights (q/k/v as one GEMM,
+gate/up as one), the trainer on thousands of packed rows with separate weights. A library GEMM picks its
+kernel, tiling and split-K from M, N and K, so the same row's output changes bits between the two. Here
+each output element is defined by one summation order that depends only on K and `k_splits`: K is cut
+into `k_splits` equal consecutive ranges, each reduced in fp32 from zero in k order, the partials added in
+order ((p0 + p1) + p2 ...), then the bias (fp32), then one rounding to the output dtype (round to nearest
+even). An fp32 output is that unrounded sum, so a tensor-parallel rank holding K-range s of x and weight
+gets, with `k_splits=1, out_dtype=torch.float32`, exactly partial s of the single-device `k_splits=S` call.
+
+Layers: `linear_exact_ref` (float64 math rounded once: the value the op approximates, for tests and
+benchmarks), `linear_exact_torch` (the torch path: fixed-shape chunk products), `linear_exact_triton` (the
+launcher of `kernels.exact_matmul.exact_matmul_kernel`), and the op `linear_exact` (checks, then the
+kernel where `_launch.use_kernel` says so, else the torch path; differentiable through `_LinearExact`).
+
+The two paths are each batch-invariant; they are not bitwise equal to each other (the GPU's tensor-core
+dots and the CPU BLAS sum a tile's products in their own orders), so a rollout and a trainer that must
+agree run the same path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybridengine.checks import FLOAT_DTYPES, number, tensor
+from hybridengine.ops import _launch
+
+EXACT_BLOCK_K = 64
+"""K columns per `tl.dot` step of the kernel: part of the summation order, so one value for every launch
+(every M, N and device), whatever the tile's BLOCK_M and BLOCK_N."""
+
+ROW_CHUNK = 16
+"""Rows of x per chunk product of the torch path (the last chunk padded with zero rows)."""
+
+COL_CHUNK = 64
+"""Weight rows (output columns) per chunk product of the torch path (the last chunk padded with zero rows)."""
+
+CHUNK_PAIRS = 32
+"""(row chunk, column chunk) products per `torch.bmm` of the torch path; the last bmm is padded with
+repeated pairs, so every bmm has one shape."""
+
+
+def _config(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """The kernel's launch: tile sizes, grouped order, warps and pipeline stages. One configuration for
+    every M, N and K on CUDA (BLOCK_K is `EXACT_BLOCK_K` always); fp32 inputs take 2 stages, since four
+    of their 128 x 64 and 64 x 128 fp32 tiles (256 KiB) pass the H200's 227 KiB of shared memory.
+    Under the interpreter, 32 x 32 tiles keep the tests fast (its cost is per program and per op)."""
+    if device.type != "cuda":
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=EXACT_BLOCK_K, GROUP_M=2, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=EXACT_BLOCK_K, GROUP_M=8, num_warps=8,
+                num_stages=2 if dtype == torch.float32 else 4)
+
+
+def linear_exact_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain-torch reference: x @ weight^T (+ bias) in float64, rounded once to `out_dtype` (default x's)."""
+    y = torch.einsum("...k,nk->...n", x.double(), weight.double())
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(out_dtype or x.dtype)
+
+
+def _chunk_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, k] @ weight[N, k]^T in fp32 as products of [ROW_CHUNK, k] x [k, COL_CHUNK] chunks, CHUNK_PAIRS
+    per `torch.bmm`: every BLAS call has one shape whatever M and N, so an element's sum depends only on
+    its row, its weight row, k, and its place in the chunk. That last one must not matter either: torch's
+    CPU BLAS sums every place of a chunk in one order (the tests move rows and columns across places),
+    which not every BLAS does (numpy's, see `kernels.exact_matmul`)."""
+    M, N, k = x.shape[0], weight.shape[0], x.shape[1]
+    num_m, num_n = -(-M // ROW_CHUNK), -(-N // COL_CHUNK)
+    xs = x.new_zeros(num_m * ROW_CHUNK, k, dtype=torch.float32)
+    xs[:M] = x
+    ws = weight.new_zeros(num_n * COL_CHUNK, k, dtype=torch.float32)
+    ws[:N] = weight
+    xs, ws = xs.view(num_m, ROW_CHUNK, k), ws.view(num_n, COL_CHUNK, k)
+    num_pairs = num_m * num_n
+    padded = -(-num_pairs // CHUNK_PAIRS) * CHUNK_PAIRS
+    pair = torch.arange(padded, device=x.device) % num_pairs
+    rows, cols = pair // num_n, pair % num_n
+    out = torch.empty(padded, ROW_CHUNK, COL_CHUNK, dtype=torch.float32, device=x.device)
+    for first in range(0, padded, CHUNK_PAIRS):
+        sel = slice(first, first + CHUNK_PAIRS)
+        out[sel] = torch.bmm(xs[rows[sel]], ws[cols[sel]].transpose(1, 2))
+    out = out[:num_pairs].view(num_m, num_n, ROW_CHUNK, COL_CHUNK).transpose(1, 2)
+    return out.reshape(num_m * ROW_CHUNK, num_n * COL_CHUNK)[:M, :N]
+
+
+def linear_exact_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       k_splits: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`linear_exact` of x [M, K] in torch ops (the exact mode's path without the kernel): per K split,
+    fp32 chunk products of one shape (`_chunk_products`); the partials added in split order, then the
+    bias as fp32, then one rounding to `out_dtype`."""
+    M, K = x.shape
+    if M == 0 or weight.shape[0] == 0:
+        return torch.empty(M, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    split = K // k_splits
+    total = _chunk_products(x[:, :split], weight[:, :split])
+    for s in range(1, k_splits):
+        total = total + _chunk_products(x[:, s * split:(s + 1) * split], weight[:, s * split:(s + 1) * split])
+    if bias is not None:
+        total = total + bias.float()
+    return total.to(out_dtype or x.dtype)
+
+
+def linear_exact_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        k_splits: int = 1, out_dtype: torch.dtype | None = None,
+                        config: dict | None = None) -> torch.Tensor:
+    """`linear_exact` of x [M, K] with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    `config` overrides `_config`'s launch: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (tuning
+    sweeps and the invariance probes use it). BLOCK_M, BLOCK_N, GROUP_M, warps and stages leave the summation
+    order as it is; BLOCK_K is part of it (the default is `EXACT_BLOCK_K`)."""
+    from hybridengine.kernels.exact_matmul import exact_matmul_kernel
+
+    M, K = x.shape
+    N = weight.shape[0]
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.shape[1] == K and weight.dtype == x.dtype
+    assert bias is None or (bias.shape == (N,) and bias.stride(0) == 1)
+    assert K % k_splits == 0
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    cfg = _launch.launch_config(_config(M, N, K, x.device, x.dtype), config)
+    block_m, block_n, block_k, group_m = (cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
+    assert block_k >= 16 and block_k & (block_k - 1) == 0, f"BLOCK_K must be a power of 2 >= 16, got {block_k}"
+    split = K // k_splits
+    grid = (-(-M // block_m) * -(-N // block_n),)
+    exact_matmul_kernel[grid](
+        x, weight, bias if bias is not None else weight, y, M, N, split, k_splits,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=split % block_k == 0, SUM_DOT=x.device.type != "cuda",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, **cfg,
+    )
+    return y
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_splits: int,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel or the torch path over x's rows flattened to [M, K]; returns [..., N]."""
+    shape = x.shape
+    x2 = x.reshape(math.prod(shape[:-1]), shape[-1])
+    impl = linear_exact_triton if _launch.use_kernel(x) else linear_exact_torch
+    y = impl(x2, weight, bias, k_splits=k_splits, out_dtype=out_dtype)
+    return y.view(*shape[:-1], weight.shape[0])
+
+
+class _LinearExact(torch.autograd.Function):
+    """The batch-invariant forward; a backward of plain matmuls in the input dtype, as F.linear's
+    (deterministic, not batch-invariant: training gradients need not match anything bit for bit)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, k_splits, out_dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _forward(x, weight, bias, k_splits, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, weight.shape[0]).to(x.dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = g.t() @ x.reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _check(op: str, x, weight, bias, k_splits, out_dtype) -> None:
+    if isinstance(x, torch.Tensor) and x.dim() == 0:
+        raise ValueError(f"{op}: x must be [..., K], got a 0-D tensor")
+    tensor(op, "x", x, dtypes=FLOAT_DTYPES)
+    K = x.shape[-1]
+    tensor(op, "weight", weight, dim=2, dtypes=(x.dtype,), device=x.device, contiguous_last=True)
+    if weight.shape[1] != K:
+        raise ValueError(f"{op}: weight must be [N, K] with K = x.shape[-1] = {K}, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        tensor(op, "bias", bias, shape=(weight.shape[0],), dtypes=(x.dtype,), device=x.device, contiguous_last=True)
+    number(op, "k_splits", k_splits, low=1, integer=True)
+    if K % k_splits:
+        raise ValueError(f"{op}: k_splits ({k_splits}) must divide K ({K}) into equal splits")
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be None or one of {FLOAT_DTYPES}, got {out_dtype!r}")
+
+
+def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 k_splits: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) with each element's bits fixed by its x row, weight row, bias, K and
+    `k_splits` alone: never by the number of rows, the other rows, or the other columns of the call (a
+    weight of stacked rows gives, column for column, the separate calls' results).
+
+    x [..., K] (bf16, fp16 or fp32; made contiguous along K if it is not), weight [N, K] of x's dtype and
+    device with unit stride along K (any row stride: a view into a flat buffer will do), bias [N] or None.
+    K is cut into `k_splits` equal ranges, each summed in fp32 from zero in k order, the partials added in
+    order, the bias added in fp32, and the sum rounded once to `out_dtype` (default x's dtype; fp32 returns
+    the unrounded sum). Returns [..., N]. The Triton kernel runs where `_launch.use_kernel` says so (CUDA),
+    the torch path elsewhere: each is batch-invariant, the two need not agree bit for bit. Differentiable
+    in x, weight and bias (the backward is F.linear's matmuls in x's dtype)."""
+    _check("linear_exact", x, weight, bias, k_splits, out_dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out_dtype = out_dtype or x.dtype
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _LinearExact.apply(x, weight, bias, k_splits, out_dtype)
+    return _forward(x, weight, bias, k_splits, out_dtype)
+
+
+def implementations(device_type: str) -> dict[str, str]:
+    """Which implementation `linear_exact` runs on this device type (for `hybridengine info`)."""
+    return {"linear_exact": "Triton" if device_type == "cuda" else "torch chunked (batch-invariant)"}
