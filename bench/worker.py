@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import e2e, floors, generate, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train
+from . import e2e, exact, floors, generate, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train
 from .common import Ctx, Recorder, release_memory
 
 BENCHES = {
@@ -42,6 +42,7 @@ BENCHES = {
     "train_step": train.train_step,
     "ppo_e2e": e2e.ppo_e2e,
     "ppo_e2e_deepspeed": e2e.ppo_e2e_deepspeed,
+    "exact": exact.exact,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
 # Each suite is sized to finish in under 10 minutes on 2 x H200 with one model (pass --model per run for the peers).
@@ -68,6 +69,7 @@ SUITES: dict[str, list[str]] = {
     # hybridengine's train step with both peers' in one run (one model per run at 7B)
     "train_peers": ["gemm", "train_step", "fsdp2_train", "deepspeed_train"],  # DeepSpeed last (zero.Init)
     "ppo_e2e": ["ppo_e2e", "ppo_e2e_deepspeed"],  # DeepSpeed last (zero.Init)
+    "exact": ["exact"],
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"]}
 

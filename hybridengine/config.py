@@ -81,6 +81,16 @@ class EngineConfig:
     segments the reserve follows each step's shapes, with expandable ones it stays within a few hundred
     MiB (the soak bench, docs/benchmarks.md). None: on, unless PYTORCH_CUDA_ALLOC_CONF is set (the
     caller's choice stands); False: leave the allocator alone. It is a process-wide setting."""
+    exact_logprobs: bool = False
+    """Exact on-policy mode: for every token `generate` returns, its log-prob equals bitwise what
+    `log_probs` (and the first forward of `ppo_step`) computes at that position, whatever the batch, `n`,
+    max_num_seqs, preemption, CUDA graphs, packing, micro-batch size, world size, and tp_generation in
+    {1, 2}. Every projection runs `ops.linear_exact` (a GEMM whose per-element bits do not depend on the
+    batch), attention the exact ops (`ops.exact_attention`: fixed KV tiles in a fixed order, the same in
+    training, prefill and decode), the row-parallel projections sum two fp32 halves (the TP all-reduce's
+    tree at tg = 2), and the LM head's log-probs are one row-wise reduction shared by the sampler and the
+    trainer (`ops.ppo_loss.chosen_logprobs`). Greedy generation is then batch-invariant. Needs
+    fused_training on CUDA (the rollout's elementwise kernels) and tp_generation <= 2."""
     sampler: str = "auto"
     """'fused': a step whose requests all sample without top-k/top-p draws its tokens and log-probs in
     one Triton pass over the logits (`hybridengine.ops.sample_fused`, Philox noise in the kernel);
@@ -129,9 +139,16 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("EngineConfig.max_num_seqs and max_num_batched_tokens must be >= 1")
-        for name in ("cuda_graphs", "lazy_cuda_graphs", "async_scheduling", "fused_training", "keep_grads"):
+        for name in ("cuda_graphs", "lazy_cuda_graphs", "async_scheduling", "fused_training", "keep_grads",
+                     "exact_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {checks.describe(getattr(self, name))}")
+        if self.exact_logprobs and self.tp_generation > 2:
+            raise ValueError(f"EngineConfig.exact_logprobs=True needs tp_generation 1 or 2 (the row-parallel sums "
+                             f"add two fp32 halves), got tp_generation={self.tp_generation}")
+        if self.exact_logprobs and device_type == "cuda" and not self.fused_training:
+            raise ValueError("EngineConfig.exact_logprobs=True on CUDA needs fused_training=True: training must run "
+                             "the rollout's norm, RoPE and SiLU kernels to compute the same bits")
         if self.split_master is None:
             self.split_master = self.dtype == torch.bfloat16
         if not isinstance(self.split_master, bool):

@@ -70,7 +70,7 @@ class HybridEngine:
         self._guard = PhaseGuard(self.group, config.collective_timeout_s)
         self.model = self._build(source)
         self.model.eval()
-        self._sampler = Sampler(config.seed, self.model.vocab_shard)  # its RNG keys the fused sampler's unseeded rows
+        self._sampler = Sampler(config.seed, self.model.vocab_shard, exact=config.exact_logprobs)  # its RNG keys the fused sampler's unseeded rows
         self._runner: ModelRunner | None = None
         self._training = None
         self.stats: dict[str, float] = {}
@@ -202,7 +202,8 @@ class HybridEngine:
         if self._training is None:
             self._training = Trainer(self.sharded, self.model_config, optimizer_config=cfg,
                                      fused=self.config.fused_training and self.device.type == "cuda",
-                                     split_master=self.config.split_master, keep_grads=self.config.keep_grads)
+                                     split_master=self.config.split_master, keep_grads=self.config.keep_grads,
+                                     exact=self.config.exact_logprobs)
         return self._training
 
     # Each training call is a collective phase: every rank validates its batch (and config) before any
@@ -269,7 +270,8 @@ class HybridEngine:
                 self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
                                            max_model_len=self.config.max_model_len,
                                            use_cuda_graphs=self.config.cuda_graphs,
-                                           lazy_cuda_graphs=self.config.lazy_cuda_graphs)
+                                           lazy_cuda_graphs=self.config.lazy_cuda_graphs,
+                                           exact=self.config.exact_logprobs)
                 self.stats.update(kv_cache_GiB=kv.nbytes() / 2**30, kv_blocks=kv.num_blocks,
                                   cuda_graph_capture_s=self._runner.graph_capture_s,
                                   runner_setup_s=time.perf_counter() - t1)

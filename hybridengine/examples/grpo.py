@@ -11,6 +11,11 @@ the mean reward to ~1. Run alone on CPU or GPU, or under torchrun (each rank sam
   critic step toward the returns next to each policy step.
 - `--kl-coef C` (either algo): a frozen reference engine (the initial policy: same source and seed)
   computes log-probs of each rollout batch; the loss adds C * KL(policy || reference) (`--kl-estimator`).
+- old log-probs: by default the trainer recomputes them (`engine.log_probs`, one forward pass over the
+  batch) and the rollout's own log-probs enter as `rollout_logprobs` with truncated importance sampling
+  (`PPOConfig(rollout_correction="tis")`): rollout and training kernels round differently. With `--exact`
+  (`EngineConfig(exact_logprobs=True)`) the rollout's log-probs are the trainer's bit for bit, so they are
+  the old log-probs and the recompute pass is skipped.
 
     hybridengine grpo                                    # tiny model, CPU, about a minute
     hybridengine grpo --algo ppo                         # with a critic and GAE
@@ -86,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kl-coef", type=float, default=0.0,
                    help="KL penalty to a frozen copy of the initial policy (0: no reference model)")
     p.add_argument("--kl-estimator", choices=("k1", "k2", "k3"), default="k3")
+    p.add_argument("--exact", action="store_true",
+                   help="EngineConfig(exact_logprobs=True): use the rollout's log-probs as old_logprobs (no recompute)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="grpo_out", help="folder for metrics.jsonl and curves.png")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
@@ -113,14 +120,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     source = source_for(args)
     engine_config = he.EngineConfig(dtype=dtype, max_model_len=64 if not args.model else 4096,
-                                    max_num_seqs=args.prompts * args.n, seed=args.seed, cuda_graphs=False)
+                                    max_num_seqs=args.prompts * args.n, seed=args.seed, cuda_graphs=False,
+                                    exact_logprobs=args.exact)
     engine = he.HybridEngine(source, engine_config)
     # The same source and seed give the same weights: the reference is the initial policy, frozen (never stepped).
     reference = he.HybridEngine(source, engine_config) if args.kl_coef else None
     critic = he.HybridEngine(source, engine_config, role="critic") if args.algo == "ppo" else None
     ppo = he.PPOConfig(clip_low=0.2, clip_high=0.28, lr=args.lr, max_grad_norm=1.0, temperature=args.temperature,
                        entropy_coef=args.entropy_coef, kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
-                       loss_agg="token-mean", micro_batch_tokens=8192)
+                       loss_agg="token-mean", micro_batch_tokens=8192,
+                       rollout_correction=None if args.exact else "tis")
     value = he.ValueConfig(clip=args.value_clip or None, lr=args.critic_lr, max_grad_norm=1.0,
                            loss_agg="token-mean", micro_batch_tokens=8192)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
@@ -145,11 +154,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 m[len(prompt) - 1:] = 1                          # train on the response tokens only
                 masks.append(m)
                 lp = torch.zeros_like(m)
-                lp[len(prompt) - 1:] = torch.tensor(c.logprobs)  # the rollout's own log-probs: on-policy
+                lp[len(prompt) - 1:] = torch.tensor(c.logprobs)  # the rollout's own log-probs
                 old.append(lp)
                 scores.append(reward(prompt, c.token_ids))
-        batch = he.PPOBatch(input_ids=seqs, response_mask=masks, old_logprobs=old)
-        row = dict(step=step)
+        if args.exact:  # bitwise the trainer's: the old log-probs, no recompute pass
+            batch = he.PPOBatch(input_ids=seqs, response_mask=masks, old_logprobs=old)
+        else:  # recomputed by the trainer; the rollout's weight each token by truncated importance sampling
+            batch = he.PPOBatch(input_ids=seqs, response_mask=masks)
+            recomputed = unpad(engine.log_probs(batch, temperature=args.temperature).cpu(), batch.lengths)
+            batch = dataclasses.replace(batch, old_logprobs=recomputed, rollout_logprobs=old)
+        row = dict(step=step, recomputed_old_logprobs=not args.exact)
         if critic is not None:
             adv, value_batch, row_critic = critic_advantages(critic, batch, scores, args)
         else:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridengine.model.config import ModelConfig
+from hybridengine.ops.exact_linear import linear_exact
 from hybridengine.ops.rms_norm import rms_norm, rms_norm_train
 from hybridengine.ops.rope import rope_train
 from hybridengine.ops.silu_mul import silu_mul, silu_mul_train
@@ -51,12 +52,23 @@ class Kernels(Enum):
     """Training: the autograd ops of hybridengine.ops (rms_norm_train, rope_train, silu_mul_train) for the norms, RoPE and SiLU * up."""
 
 
+EXACT_ROW_SPLITS = 2
+"""Exact mode: the row-parallel projections (o_proj, down_proj) reduce their input dimension in two halves
+whose fp32 sums add once (`linear_exact(k_splits=2)`): the same tree as tensor-parallel generation at tg = 2,
+where each rank reduces its half and the all-reduce adds the two. So tg 1 and tg 2 give the same bits."""
+
+
 class FlatAttention(Protocol):
     """Attention over flat tokens: the rollout's paged KV cache (`rollout.runner.AttentionMetadata`)
     or training's packed sequences (`train.packed_attention.PackedAttention`)."""
 
     @property
     def kernels(self) -> Kernels: ...
+
+    @property
+    def exact(self) -> bool:
+        """Exact mode (EngineConfig.exact_logprobs): every projection is `linear_exact` and the attention
+        the exact ops, so a token's hidden states have the same bits in rollout and training."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None) -> torch.Tensor:
@@ -134,6 +146,16 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=bias, device="meta")
 
 
+def project(module: nn.Module, x: torch.Tensor, exact: bool, row_parallel: bool = False) -> torch.Tensor:
+    """A projection: the module itself, or in exact mode `linear_exact` over its weight (the row-parallel ones
+    in `EXACT_ROW_SPLITS` halves). A tensor-parallel wrapper (not an nn.Linear) takes `exact` itself."""
+    if not exact:
+        return module(x)
+    if isinstance(module, nn.Linear):
+        return linear_exact(x, module.weight, module.bias, k_splits=EXACT_ROW_SPLITS if row_parallel else 1)
+    return module(x, exact=True)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -165,40 +187,42 @@ class Attention(nn.Module):
     def forward_flat(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: FlatAttention,
                      layer_idx: int, ops: _FlatOps) -> torch.Tensor:
         """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` attends (and stores K/V in a paged cache)."""
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x, attn.exact)
         if self.q_norm is not None:
             q, k = ops.rms_norm(q, self.q_norm), ops.rms_norm(k, self.k_norm)
         q, k = ops.rope(q, k, cos, sin)
         out = attn.attend(layer_idx, q, k, v, self.sliding_window)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+        return project(self.o_proj, out.reshape(x.shape[0], self.num_heads * self.head_dim), attn.exact, True)
 
     def forward_rollout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: FlatAttention,
                         layer_idx: int) -> torch.Tensor:
         """`forward_flat` with `Kernels.ROLLOUT`: q, k and v from one GEMM, the q/k norms as the kernels of
         hybridengine.ops, RoPE inside the KV store's kernel (`attend(..., rope=(cos, sin))`)."""
-        q, k, v = self._qkv_one_gemm(x)
+        q, k, v = self._qkv_one_gemm(x, attn.exact)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         out = attn.attend(layer_idx, q, k, v, self.sliding_window, rope=(cos, sin))
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+        return project(self.o_proj, out.reshape(x.shape[0], self.num_heads * self.head_dim), attn.exact, True)
 
-    def _qkv(self, x: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, exact: bool = False):
         """q [N, Hq, D], k, v [N, Hkv, D] from the three projections."""
         N, D = x.shape[0], self.head_dim
-        return (self.q_proj(x).view(N, self.num_heads, D), self.k_proj(x).view(N, self.num_kv_heads, D),
-                self.v_proj(x).view(N, self.num_kv_heads, D))
+        return (project(self.q_proj, x, exact).view(N, self.num_heads, D),
+                project(self.k_proj, x, exact).view(N, self.num_kv_heads, D),
+                project(self.v_proj, x, exact).view(N, self.num_kv_heads, D))
 
-    def _qkv_one_gemm(self, x: torch.Tensor):
+    def _qkv_one_gemm(self, x: torch.Tensor, exact: bool = False):
         """`_qkv` as one GEMM over the adjacent q/k/v weights (and biases): strided views of one output;
-        three GEMMs where they are not adjacent."""
+        three GEMMs where they are not adjacent. (In exact mode each output column has the bits of its own
+        projection's: `linear_exact` is independent of the columns computed beside it.)"""
         p = (self.q_proj, self.k_proj, self.v_proj)
         weight = stacked_rows(*(m.weight for m in p))
         bias = None if p[0].bias is None else stacked_rows(*(m.bias for m in p))
         if weight is None or (p[0].bias is not None and bias is None):
-            return self._qkv(x)
+            return self._qkv(x, exact)
         N, D = x.shape[0], self.head_dim
-        qkv = F.linear(x, weight, bias)
+        qkv = linear_exact(x, weight, bias) if exact else F.linear(x, weight, bias)
         nq, nk = self.num_heads * D, self.num_kv_heads * D
         return (qkv[:, :nq].view(N, self.num_heads, D), qkv[:, nq:nq + nk].view(N, self.num_kv_heads, D),
                 qkv[:, nq + nk:].view(N, self.num_kv_heads, D))
@@ -232,28 +256,29 @@ class DecoderLayer(nn.Module):
         if attn is None:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin)
             return x + self.mlp(self.post_attention_layernorm(x))
-        ops = _FLAT_OPS[attn.kernels]
+        ops, exact, mlp = _FLAT_OPS[attn.kernels], attn.exact, self.mlp
         x = x + self.self_attn.forward_flat(ops.rms_norm(x, self.input_layernorm), cos, sin, attn, layer_idx, ops)
         h = ops.rms_norm(x, self.post_attention_layernorm)
-        return x + self.mlp.down_proj(ops.silu_mul(self.mlp.gate_proj(h), self.mlp.up_proj(h)))
+        act = ops.silu_mul(project(mlp.gate_proj, h, exact), project(mlp.up_proj, h, exact))
+        return x + project(mlp.down_proj, act, exact, True)
 
     def forward_rollout(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         attn: FlatAttention, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `Kernels.ROLLOUT` layer on (normed input h, residual stream): returns (MLP output, residual
         after the attention), whose sum is the layer's output. The caller adds them inside the next norm
         kernel (`rms_norm(mlp_out, w, eps, residual=...)`), so no layer spends a kernel on that add."""
-        norm2, mlp = self.post_attention_layernorm, self.mlp
+        norm2, mlp, exact = self.post_attention_layernorm, self.mlp, attn.exact
         a = self.self_attn.forward_rollout(h, cos, sin, attn, layer_idx)
         h, residual = rms_norm(a, norm2.weight, norm2.eps, residual=residual)
         gate_up = None if mlp.gate_proj.bias is not None else stacked_rows(mlp.gate_proj.weight,
                                                                                  mlp.up_proj.weight)
         if gate_up is not None:  # one GEMM for both projections (adjacent in the flat buffer)
-            gu = F.linear(h, gate_up)
+            gu = linear_exact(h, gate_up) if exact else F.linear(h, gate_up)
             inter = mlp.gate_proj.weight.shape[0]
             act = silu_mul(gu[..., :inter], gu[..., inter:])
         else:
-            act = silu_mul(mlp.gate_proj(h), mlp.up_proj(h))
-        return mlp.down_proj(act), residual
+            act = silu_mul(project(mlp.gate_proj, h, exact), project(mlp.up_proj, h, exact))
+        return project(mlp.down_proj, act, exact, True), residual
 
 
 class Decoder(nn.Module):
@@ -347,12 +372,13 @@ class CausalLM(nn.Module):
             h, residual = rms_norm(out, norm.weight, norm.eps, residual=residual)
         return h
 
-    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def local_logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """hidden [..., H] -> this rank's logits [..., V] in the model dtype (as HF): under TP the
-        vocabulary slice of `vocab_shard` (the rollout samples from it), else all of it."""
+        vocabulary slice of `vocab_shard` (the rollout samples from it), else all of it. `exact`: through
+        `linear_exact`, the bits the trainer's exact log-prob pass computes for the same hidden row."""
         if self.config.value_head:
             raise RuntimeError("this model is a critic (value_head=True): it has no LM head; use compute_values")
-        return F.linear(hidden, self.lm_head_weight)
+        return linear_exact(hidden, self.lm_head_weight) if exact else F.linear(hidden, self.lm_head_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] over the whole vocabulary (under TP gathered through `vocab_shard`)."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM
+from hybridengine.ops.exact_linear import linear_exact
 
 
 def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
@@ -168,7 +169,11 @@ class VocabShard:
 
 class RowParallelLinear(nn.Module):
     """A row-parallel linear without bias: x @ weight.T over this rank's input columns, summed over
-    the TP group. Holds the replaced nn.Linear's parameter itself (a view of the flat buffer)."""
+    the TP group. Holds the replaced nn.Linear's parameter itself (a view of the flat buffer).
+
+    Exact mode (`forward(x, exact=True)`, tg = 2): this rank's fp32 partial (`linear_exact(out_dtype=fp32)`,
+    the sum over its half of the input columns), all-reduced in fp32 (one add of two values, the same on
+    every rank and in either order) and rounded once: the bits of the single-device `linear_exact(k_splits=2)`."""
 
     def __init__(self, linear: nn.Linear, reduce: GroupAllReduce):
         super().__init__()
@@ -177,8 +182,12 @@ class RowParallelLinear(nn.Module):
         self.weight = linear.weight
         self.reduce = reduce
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if not exact:
+            return self.reduce.linear(x, self.weight)
+        part = linear_exact(x, self.weight, out_dtype=torch.float32)
+        dist.all_reduce(part, group=self.reduce.group)
+        return part.to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

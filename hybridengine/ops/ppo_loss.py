@@ -683,8 +683,9 @@ def _token_logprobs_fused(hidden, weight, targets, *, bias, temperature, exact=F
 
 
 def _use_kernels(op: str, hidden: torch.Tensor) -> bool:
-    """The Triton path on CUDA for bf16/fp16/fp32; the reference otherwise (warned once on CUDA)."""
-    if hidden.device.type != "cuda":
+    """The Triton path where `_launch.use_kernel` says so (CUDA; tests patch it to run the kernels under the
+    interpreter, as `chosen_logprobs` does) for bf16/fp16/fp32; the reference otherwise (warned once)."""
+    if not _launch.use_kernel(hidden):
         return False
     if hidden.dtype not in KERNEL_DTYPES:
         warn_once(f"{op}: no fused kernel for {hidden.dtype}; running the torch reference, which "

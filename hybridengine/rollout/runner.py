@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hybridengine.model.decoder import Kernels
+from hybridengine.ops.exact_attention import exact_attention, exact_decode_attention
 from hybridengine.ops.kv_store import rope_store_kv, store_kv
 from hybridengine.ops.paged_attention import paged_decode_attention
 from hybridengine.ops.prefill_attention import prefill_attention
@@ -38,6 +39,9 @@ class AttentionMetadata:
     fused: bool = False
     """The layers run the rollout's fused kernels (`Kernels.ROLLOUT`, hybridengine.ops; the runner
     sets it on CUDA) instead of the module code (`Kernels.TORCH`)."""
+    exact: bool = False
+    """Exact mode (EngineConfig.exact_logprobs): `linear_exact` projections and the exact attention ops,
+    whose per-token bits do not depend on the batch (the training forward computes the same)."""
 
     @property
     def kernels(self) -> Kernels:
@@ -52,6 +56,12 @@ class AttentionMetadata:
             store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         else:
             q, k = rope_store_kv(q, k, v, *rope, k_cache, v_cache, self.slot_mapping)
+        if self.exact and self.is_prefill:
+            return exact_attention(q, k, v, self.cu_seqlens, scale=self.scale, max_seqlen=self.max_seqlen,
+                                   sliding_window=sliding_window)
+        if self.exact:
+            return exact_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, scale=self.scale,
+                                          sliding_window=sliding_window)
         if self.is_prefill:
             return prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale=self.scale,
                                               sliding_window=sliding_window, max_seqlen_q=self.max_seqlen,
@@ -64,8 +74,9 @@ class ModelRunner:
     """Runs prefill and decode steps of a CausalLM against a paged KV cache."""
 
     def __init__(self, model, kv: KVCache, *, max_num_seqs: int, max_model_len: int, use_cuda_graphs: bool,
-                 lazy_cuda_graphs: bool = False):
+                 lazy_cuda_graphs: bool = False, exact: bool = False):
         self.model, self.kv = model, kv
+        self.exact = exact  # EngineConfig.exact_logprobs: the batch-invariant kernels (AttentionMetadata.exact)
         self.device = kv.data.device
         self.block_size = kv.block_size
         self.max_blocks = math.ceil(max_model_len / self.block_size)
@@ -141,7 +152,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             last.append(cu[-1] - 1)
         meta = AttentionMetadata(self.kv, True, self._tensor(slots), self.scale, cu_seqlens=self._tensor(cu, torch.int32),
-                                 max_seqlen=max(s.num_tokens for s in seqs), fused=self.fused)
+                                 max_seqlen=max(s.num_tokens for s in seqs), fused=self.fused, exact=self.exact)
         hidden = self.model.hidden_states_paged(self._tensor(ids), self._tensor(positions), meta)
         return self._logits(hidden[self._tensor(last)])
 
@@ -239,13 +250,13 @@ class ModelRunner:
 
     def _decode_forward(self, inp: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = AttentionMetadata(self.kv, False, inp["slots"], self.scale, context_lens=inp["lens"],
-                                 block_tables=inp["tables"], fused=self.fused)
+                                 block_tables=inp["tables"], fused=self.fused, exact=self.exact)
         return self._logits(self.model.hidden_states_paged(inp["ids"], inp["positions"], meta))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head; under TP only this rank's vocabulary slice (`CausalLM.vocab_shard`): the sampler
         samples vocab-parallel or gathers."""
-        return self.model.local_logits(hidden)
+        return self.model.local_logits(hidden, exact=self.exact)
 
     def _decode(self, seqs: list[Sequence], prev_tokens=None) -> torch.Tensor:
         B = len(seqs)

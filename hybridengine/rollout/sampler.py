@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridengine.ops.ppo_loss import chosen_logprobs
 from hybridengine.ops.sample_fused import sample_fused
 from hybridengine.rollout.sampling_params import SamplingParams
 
@@ -146,13 +147,28 @@ class Sampler:
 
     Under TP (`vocab_shard`), logits are this rank's vocabulary slice: the fused sampler runs
     vocab-parallel; a step that needs `sample` gathers the whole vocabulary first.
+
+    `exact` (EngineConfig.exact_logprobs): the reported log-probs are `ops.ppo_loss.chosen_logprobs` of the
+    whole logits row, the row-wise reduction the trainer's exact log-prob pass runs over the same logits,
+    whichever sampler chose the tokens (under TP the logits are gathered for it).
     """
 
-    def __init__(self, seed: int, vocab_shard: VocabShard | None = None):
+    def __init__(self, seed: int, vocab_shard: VocabShard | None = None, exact: bool = False):
         self.rng = random.Random(seed)
         self.vocab_shard = vocab_shard
+        self.exact = exact
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, logprobs = self._sample(logits, seqs, mode)
+        if not self.exact:
+            return tokens, logprobs
+        if self.vocab_shard is not None and logits.shape[-1] != self.vocab_shard.vocab_size:
+            logits = self.vocab_shard.gather(logits)
+        inv = [1.0 / s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs]
+        inv_t = inv[0] if len(set(inv)) == 1 else _to_device(inv, torch.float32, logits.device)
+        return tokens, chosen_logprobs(logits, tokens, inv_t)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         params = [s.params for s in seqs]
         truncates = [p.top_k > 0 or p.top_p < 1 for p in params]
         fused = mode == "fused" or (mode == "auto" and logits.is_cuda)

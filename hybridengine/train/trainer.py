@@ -32,6 +32,7 @@ from hybridengine import checks
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM, rope_cos_sin
 from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
+from hybridengine.ops.rms_norm import rms_norm_train
 from hybridengine.sharding.switch import ShardedBuffer
 from hybridengine.train.batch import PPOBatch, plan_micro_batches
 from hybridengine.train.config import PPOConfig, ValueConfig
@@ -46,8 +47,10 @@ class Trainer:
     """Forward/backward and the optimizer of one rank, over a ShardedBuffer."""
 
     def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None,
-                 fused: bool = False, split_master: bool = False, keep_grads: bool = False):
+                 fused: bool = False, split_master: bool = False, keep_grads: bool = False, exact: bool = False):
         self.fused = fused  # EngineConfig.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels
+        # EngineConfig.exact_logprobs: linear_exact, exact_attention and the exact LM-head pass, the rollout's bits
+        self.exact = exact
         self.split_master = split_master  # EngineConfig.split_master: bf16 weights + int16 low halves
         self.keep_grads = keep_grads  # EngineConfig.keep_grads: the grad shards outlive the optimizer step
         self.sharded, self.config = sharded, config
@@ -158,6 +161,9 @@ class Trainer:
         return functional_call(self.skeleton.model.layers[i], params, (x, cos, sin, attn, i)), params
 
     def _norm(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The final norm: the fused kernel (as the rollout's last norm) with fused training, else the module."""
+        if self.fused:
+            return rms_norm_train(x, weight, self.skeleton.model.norm.eps)
         return functional_call(self.skeleton.model.norm, {"weight": weight}, (x,))
 
     def _pack_inputs(self, batch: PPOBatch, rows: list[int], embedding_rows: bool = False):
@@ -178,7 +184,7 @@ class Trainer:
             id_index = tuple(t.to(self.device) for t in torch.unique(ids, sorted=True, return_inverse=True))
         ids, positions = ids.to(self.device), positions.to(self.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
-        attn = PackedAttention(cu, fused=self.fused)
+        attn = PackedAttention(cu, fused=self.fused, exact=self.exact, scale=self.config.head_dim ** -0.5)
         return ids, cos, sin, attn, cu, id_index
 
     def _forward_layers(self, ids, cos, sin, attn, keep_inputs: bool):
@@ -275,8 +281,7 @@ class Trainer:
                 raise ValueError(f"ppo_step: config must be a PPOConfig, got {type(cfg).__name__}")
             cfg.validate()  # again: a config may have been changed since its construction
             self._check_batch(op, batch, ("response_mask", "old_logprobs", "advantages"))
-            if cfg.kl_coef and batch.ref_logprobs is None:
-                raise ValueError("PPOConfig.kl_coef > 0 needs batch.ref_logprobs")
+            cfg.check_batch(batch)  # ref_logprobs for a KL term, rollout_logprobs for a rollout correction
         elif op == "value_step":
             if not self.critic:
                 raise ValueError("value_step needs a critic engine (HybridEngine(..., role='critic'))")
@@ -311,7 +316,8 @@ class Trainer:
         for rows, normed, head_w, cu in self._scoring_passes(batch, micro_batch_tokens):
             hidden = self._unpack(normed, cu)
             targets = self._targets(batch, rows, hidden.shape[1])
-            out = token_logprobs(hidden, head_w, targets, temperature=temperature, return_entropy=return_entropy)
+            out = token_logprobs(hidden, head_w, targets, temperature=temperature, return_entropy=return_entropy,
+                                 exact=self.exact)
             lp, e = out if return_entropy else (out, None)
             for i, b in enumerate(rows):
                 n = batch.lengths[b] - 1
@@ -330,11 +336,13 @@ class Trainer:
         def head_loss(h, head_w, rows, cu):
             hidden = self._unpack(h, cu)
             width = hidden.shape[1]
-            f = self._fields(batch, rows, width, ("old_logprobs", "advantages", "response_mask", "ref_logprobs"))
+            f = self._fields(batch, rows, width, ("old_logprobs", "advantages", "response_mask", "ref_logprobs",
+                                                  "rollout_logprobs"))
             targets = self._targets(batch, rows, width) if rows else \
                 torch.zeros(1, width, dtype=torch.long, device=self.device)
             return ppo_loss(hidden, head_w, targets, f["old_logprobs"], f["advantages"], f["response_mask"],
-                            ref_logprobs=f["ref_logprobs"], **cfg.loss_kwargs())
+                            ref_logprobs=f["ref_logprobs"], rollout_logprobs=f["rollout_logprobs"], exact=self.exact,
+                            **cfg.loss_kwargs())
 
         return self._step(batch, cfg, head_loss)
 
