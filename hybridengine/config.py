@@ -57,6 +57,13 @@ class EngineConfig:
     between steps (vLLM's async scheduling). A sequence that emits a stop token runs one void step
     more (its row is dropped). Steps before a prefill or a preemption run synchronously. Outputs are
     the same either way."""
+    enable_prefix_caching: bool = True
+    """Full KV blocks are reused by later requests with the same token prefix within one rollout(): a
+    prompt that starts with a cached prefix (another prompt, or the previous turn of a conversation with
+    its completion) computes only the tokens after it. Never across a weight change: the cache lives for
+    one rollout. The tokens after a cached prefix see the same keys, computed in another step: log-probs
+    agree with those without it up to the rounding of a differently batched prefill, bitwise under
+    exact_logprobs."""
     fused_training: bool = True
     """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
     `hybridengine.ops` (rms_norm, rope, silu_mul) instead of eager torch: fewer kernels and fewer saved tensors, so a faster
@@ -139,8 +146,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("EngineConfig.max_num_seqs and max_num_batched_tokens must be >= 1")
-        for name in ("cuda_graphs", "lazy_cuda_graphs", "async_scheduling", "fused_training", "keep_grads",
-                     "exact_logprobs"):
+        for name in ("cuda_graphs", "lazy_cuda_graphs", "async_scheduling", "enable_prefix_caching", "fused_training",
+                     "keep_grads", "exact_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {checks.describe(getattr(self, name))}")
         if self.exact_logprobs and self.tp_generation > 2:

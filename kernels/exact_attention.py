@@ -5,7 +5,9 @@ Both forward kernels feed one shared tile function, `_online_softmax_tile`, with
 query rows and a K/V tile of BLOCK_N keys, and differ only in what the rows are and where the keys come from:
 
 - `exact_varlen_kernel`: one program per (query tile, sequence, query head); the rows are BLOCK_M
-  consecutive query positions of one head; K/V are dense packed rows.
+  consecutive query positions of one head; K/V are dense packed rows, the sequence's own tokens or a
+  longer context whose last tokens are the queries (a prefill after a cached prefix: the query tile then
+  starts anywhere, the key tiles stay at multiples of BLOCK_N from the context's start).
 - `exact_decode_kernel`: one program per (sequence, kv head, block of the GQA group); the rows are the
   group's query heads (padded to BLOCK_M), all at the sequence's last position; K/V come from the paged cache,
   each token's page from its own block-table entry (`paged_attention._kv_tile`). No split-K: one program
@@ -91,7 +93,7 @@ def _normalised(acc, l):
 
 @triton.jit
 def exact_varlen_kernel(
-    Q, K, V, Cu_seqlens, Out, Lse,
+    Q, K, V, Cu_seqlens, Cu_seqlens_k, Out, Lse,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -101,29 +103,33 @@ def exact_varlen_kernel(
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
     start = tl.load(Cu_seqlens + seq)
-    seq_len = tl.load(Cu_seqlens + seq + 1) - start
+    seq_len = tl.load(Cu_seqlens + seq + 1) - start  # queries
+    k_start = tl.load(Cu_seqlens_k + seq)
+    k_len = tl.load(Cu_seqlens_k + seq + 1) - k_start  # keys: the queries are the last seq_len of them
     m0 = m_block * BLOCK_M
     if m0 >= seq_len:  # the grid covers the longest sequence; shorter ones have idle tiles
         return
     kv_head = head // GROUP
 
-    pos = m0 + tl.arange(0, BLOCK_M)
-    row_ok = pos < seq_len
+    i = m0 + tl.arange(0, BLOCK_M)
+    row_ok = i < seq_len
+    pos = k_len - seq_len + i  # the rows' key positions
+    p0 = k_len - seq_len + m0
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    rows = (start + pos).to(tl.int64)
+    rows = (start + i).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N  # the tile of the first row's first visible key
-    hi = tl.minimum(seq_len, m0 + BLOCK_M)                     # one past the last row's own position
+    lo = tl.maximum(p0 - window + 1, 0) // BLOCK_N * BLOCK_N  # the tile of the first row's first visible key
+    hi = tl.minimum(k_len, p0 + BLOCK_M)                       # one past the last row's own position
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        keys = (start + t).to(tl.int64)
-        kv_mask = (t < seq_len)[:, None] & d_ok[None, :]
+        keys = (k_start + t).to(tl.int64)
+        kv_mask = (t < k_len)[:, None] & d_ok[None, :]
         k = tl.load(K + keys[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + keys[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         m, l, acc = _online_softmax_tile(m, l, acc, q, k, v, t, pos, window, scale_log2,

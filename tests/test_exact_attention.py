@@ -3,8 +3,9 @@
 Bitwise (the point of the op, never a tolerance): `exact_decode_attention` at context length i + 1 equals row i
 of `exact_attention` over any packing that holds the sequence's first L > i tokens, for both implementations
 (the Triton kernels, under TRITON_INTERPRET=1 on CPU with `_launch.use_kernel` patched, and the torch path);
-varlen rows do not change with the batch, the packing or the sequence's length past them; two backward runs
-give the same bits. Caches are poisoned with NaN outside the stored tokens, so a read past a sequence shows.
+varlen rows do not change with the batch, the packing or the sequence's length past them, nor when only a
+sequence's last queries run against all its keys (cu_seqlens_k); two backward runs give the same bits. Caches
+are poisoned with NaN outside the stored tokens, so a read past a sequence shows.
 
 Tolerances (STYLE.md habit 3): the exact answer is the naive reference in fp64; an output's error must stay
 within K_TOL x the error of the same reference in the input dtype, plus the output's own rounding (and, for
@@ -180,6 +181,35 @@ def test_varlen_rows_do_not_depend_on_the_batch(device, impl, dtype, window):
     assert torch.equal(bits(longer[65:]), bits(alone[:7]))
 
 
+KEYS_CASES = [
+    # (keys, queries) per sequence: the queries are the keys' last tokens (a prefill after a cached prefix)
+    pytest.param([(17, 5), (9, 9), (40, 1), (20, 0), (33, 16)], 4, 2, 64, None, torch.bfloat16, id="group2-bf16"),
+    pytest.param([(37, 3), (16, 16), (45, 29)], 3, 1, 80, 7, torch.float32, id="group3-d80-window7-fp32"),
+    pytest.param([(64, 48), (5, 1)], 2, 2, 64, 20, torch.float16, id="group1-window20-fp16"),
+]
+
+
+@pytest.mark.parametrize("shape,num_q_heads,num_kv_heads,head_dim,window,dtype", KEYS_CASES)
+def test_queries_after_a_cached_prefix_have_the_full_rows_bits(device, impl, shape, num_q_heads, num_kv_heads,
+                                                               head_dim, window, dtype):
+    """cu_seqlens_k: each sequence's last len_q tokens against all its len_k keys give the bits of those rows of
+    the whole sequences' self-attention (query tiles starting off the tile grid, empty query sets, len_q = len_k)."""
+    lens_k = [n_k for n_k, _ in shape]
+    q, k, v, cu_k = packed(lens_k, num_q_heads, num_kv_heads, head_dim, dtype, device)
+    scale = head_dim**-0.5
+    full = EA.exact_attention(q, k, v, cu_k, scale=scale, max_seqlen=max(lens_k), sliding_window=window)
+    rows = torch.tensor([r for e, (_, n) in zip(cu_k[1:].tolist(), shape) for r in range(e - n, e)], device=device)
+    lens_q = [n for _, n in shape]
+    tail = EA.exact_attention(q[rows], k, v, cu_of(lens_q, device), scale=scale, max_seqlen=max(lens_q),
+                              sliding_window=window, cu_seqlens_k=cu_k, max_seqlen_k=max(lens_k))
+    assert torch.equal(bits(tail), bits(full[rows]))
+    q, k, v = q.double(), k.double(), v.double()  # the reference takes the same offsets (fp64: BLAS rows differ)
+    ref = EA.exact_attention_ref(q[rows], k, v, cu_of(lens_q, device), scale=scale, sliding_window=window,
+                                 cu_seqlens_k=cu_k)
+    torch.testing.assert_close(ref, EA.exact_attention_ref(q, k, v, cu_k, scale=scale, sliding_window=window)[rows],
+                               rtol=0, atol=1e-12)
+
+
 def test_training_forward_equals_no_grad_forward(device, impl):
     q, k, v, cu = packed([19, 34], 4, 2, 64, torch.bfloat16, device)
     with torch.no_grad():
@@ -311,6 +341,42 @@ def test_exact_attention_bad_input(device, change, match):
     change(args)
     with pytest.raises(ValueError, match=match):
         EA.exact_attention(**args)
+
+
+def _keys_args(device):
+    q, k, v, cu_k = packed([9, 20], 4, 2, 32, torch.bfloat16, device)
+    return dict(q=q[[6, 7, 8, 25, 26, 27, 28]], k=k, v=v, cu_seqlens=cu_of([3, 4], device), scale=0.125,
+                max_seqlen=4, cu_seqlens_k=cu_k, max_seqlen_k=20)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"].long()), "cu_seqlens_k must be torch.int32"),
+    (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:2]), r"cu_seqlens_k must have shape \(3,\)"),
+    (lambda a: a.update(k=a["k"][..., :16], v=a["v"][..., :16]),
+     r"k must be \[total_k, num_kv_heads, head_dim = 32\] \(cu_seqlens_k given\), got shape \(29, 2, 16\)"),
+    (lambda a: a.update(max_seqlen_k=-2), r"max_seqlen_k must be in \[0, inf\)"),
+    (lambda a: a.update(q=a["q"].requires_grad_()), "cu_seqlens_k .* is forward only, but an input requires grad"),
+])
+def test_exact_attention_with_keys_bad_input(device, change, match):
+    args = _keys_args(device)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        EA.exact_attention(**args)
+
+
+@pytest.mark.parametrize("cu_k,max_seqlen_k,match", [
+    ([0, 9, 28], 20, r"cu_seqlens_k must run from 0 to total_k = 29, got \[0, 9, 28\]"),
+    ([0, 27, 29], 27, "cu_seqlens_k: sequence 1 has 2 keys for 4 queries"),
+    ([0, 9, 29], 19, "cu_seqlens_k has a sequence of 20 keys, over max_seqlen_k = 19"),
+])
+def test_torch_path_checks_cu_seqlens_k_values(device, cu_k, max_seqlen_k, match, monkeypatch):
+    monkeypatch.setattr(_launch, "use_kernel", lambda t: False)
+    args = _keys_args(device) | dict(cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+                                     max_seqlen_k=max_seqlen_k)
+    with pytest.raises(ValueError, match=match):
+        EA.exact_attention(**args)
+    with pytest.raises(ValueError, match=match):
+        EA.exact_attention_ref(**args)
 
 
 @pytest.mark.parametrize("cu,max_seqlen,match", [

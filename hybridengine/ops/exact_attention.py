@@ -97,19 +97,27 @@ def _window(sliding_window: int | None) -> int:
 # checks
 
 
-def _check_varlen(q, k, v, cu_seqlens, scale, max_seqlen, sliding_window) -> None:
+def _check_varlen(q, k, v, cu_seqlens, scale, max_seqlen, sliding_window, cu_seqlens_k=None,
+                  max_seqlen_k=None) -> None:
     op = "exact_attention"
     tensor(op, "q", q, dim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
     total, num_q_heads, head_dim = q.shape
     tensor(op, "k", k, dim=3, dtypes=(q.dtype,), device=q.device, contiguous_last=True)
-    if k.shape[0] != total or k.shape[2] != head_dim:
+    if cu_seqlens_k is None and (k.shape[0] != total or k.shape[2] != head_dim):
         raise ValueError(f"{op}: k must be [total = {total}, num_kv_heads, head_dim = {head_dim}] like q, "
+                         f"got shape {tuple(k.shape)}")
+    if cu_seqlens_k is not None and k.shape[2] != head_dim:
+        raise ValueError(f"{op}: k must be [total_k, num_kv_heads, head_dim = {head_dim}] (cu_seqlens_k given), "
                          f"got shape {tuple(k.shape)}")
     tensor(op, "v", v, shape=k.shape, dtypes=(q.dtype,), device=q.device, contiguous_last=True)
     tensor(op, "cu_seqlens", cu_seqlens, dim=1, dtypes=(torch.int32,), device=q.device)
     if cu_seqlens.numel() < 1:
         raise ValueError(f"{op}: cu_seqlens must have B + 1 >= 1 entries, got an empty tensor")
     number(op, "max_seqlen", max_seqlen, low=0, integer=True)
+    if cu_seqlens_k is not None:
+        tensor(op, "cu_seqlens_k", cu_seqlens_k, shape=cu_seqlens.shape, dtypes=(torch.int32,), device=q.device)
+    if max_seqlen_k is not None:
+        number(op, "max_seqlen_k", max_seqlen_k, low=0, integer=True)
     _launch.check_attention(op, scale, sliding_window, num_q_heads, k.shape[1])
 
 
@@ -123,6 +131,21 @@ def _check_cu_values(cu: list[int], total: int, max_seqlen: int | None) -> list[
     if max_seqlen is not None and max(lens, default=0) > max_seqlen:
         raise ValueError(f"cu_seqlens has a sequence of {max(lens)} tokens, over max_seqlen = {max_seqlen}")
     return lens
+
+
+def _check_key_values(cu_k: list[int], total_k: int, lens: list[int], max_seqlen_k: int | None) -> list[int]:
+    """The key lengths of host cu_seqlens_k values: from 0 to total_k, each at least its sequence's queries,
+    within max_seqlen_k."""
+    if cu_k[0] != 0 or cu_k[-1] != total_k:
+        raise ValueError(f"cu_seqlens_k must run from 0 to total_k = {total_k}, got {cu_k}")
+    lens_k = [e - s for s, e in zip(cu_k[:-1], cu_k[1:])]
+    short = next((b for b, (n, n_k) in enumerate(zip(lens, lens_k)) if n_k < n), None)
+    if short is not None:
+        raise ValueError(f"cu_seqlens_k: sequence {short} has {lens_k[short]} keys for {lens[short]} queries; "
+                         f"the queries are its last tokens, so it needs at least as many keys")
+    if max_seqlen_k is not None and max(lens_k, default=0) > max_seqlen_k:
+        raise ValueError(f"cu_seqlens_k has a sequence of {max(lens_k)} keys, over max_seqlen_k = {max_seqlen_k}")
+    return lens_k
 
 
 def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, out) -> None:
@@ -146,6 +169,7 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, slidin
 
 def exact_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                         scale: float, sliding_window: int | None = None, max_seqlen: int | None = None,
+                        cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
                         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Naive reference of `exact_attention`: one masked softmax attention per sequence in `compute_dtype`
     (default fp32; fp64 for fp64 inputs), differentiable. Checks the cu_seqlens values."""
@@ -153,15 +177,17 @@ def exact_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     group = q.shape[1] // k.shape[1]
     cu = cu_seqlens.tolist()
     lens = _check_cu_values(cu, q.shape[0], max_seqlen)
+    cu_k = cu if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    lens_k = lens if cu_seqlens_k is None else _check_key_values(cu_k, k.shape[0], lens, max_seqlen_k)
     window = _window(sliding_window)
     outs = [q.new_zeros((0, *q.shape[1:]), dtype=dtype)]
-    for b, n in enumerate(lens):
-        sl = slice(cu[b], cu[b + 1])
-        keys = k[sl].to(dtype).repeat_interleave(group, dim=1)
-        values = v[sl].to(dtype).repeat_interleave(group, dim=1)
-        i = torch.arange(n, device=q.device)
-        visible = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-        scores = torch.einsum("qhd,khd->hqk", q[sl].to(dtype), keys) * scale
+    for b, (n, n_k) in enumerate(zip(lens, lens_k)):
+        keys = k[cu_k[b]:cu_k[b + 1]].to(dtype).repeat_interleave(group, dim=1)
+        values = v[cu_k[b]:cu_k[b + 1]].to(dtype).repeat_interleave(group, dim=1)
+        i = torch.arange(n, device=q.device)[:, None] + (n_k - n)  # the queries' key positions
+        j = torch.arange(n_k, device=q.device)[None, :]
+        visible = (j <= i) & (j > i - window)
+        scores = torch.einsum("qhd,khd->hqk", q[cu[b]:cu[b + 1]].to(dtype), keys) * scale
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         outs.append(torch.einsum("hqk,khd->qhd", probs, values))
     return torch.cat(outs).to(q.dtype)
@@ -253,31 +279,35 @@ def _padded(x: torch.Tensor, rows: int, block_d: int) -> torch.Tensor:
 
 
 def exact_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                          scale: float, sliding_window: int | None = None,
-                          max_seqlen: int | None = None) -> torch.Tensor:
+                          scale: float, sliding_window: int | None = None, max_seqlen: int | None = None,
+                          cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None) -> torch.Tensor:
     """`exact_attention`'s forward in torch ops (the tiled algorithm; no autograd of its own). Each sequence's
-    queries in chunks of TORCH_BLOCK_M rows at their positions, its keys in tiles of TORCH_BLOCK_N from its
+    queries in chunks of TORCH_BLOCK_M rows at their key positions, its keys in tiles of TORCH_BLOCK_N from its
     start; every tile of the longest sequence is visited (a tile a row does not see leaves it unchanged)."""
     total, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
     cu = cu_seqlens.tolist()
     lens = _check_cu_values(cu, total, max_seqlen)
+    cu_k = cu if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    lens_k = lens if cu_seqlens_k is None else _check_key_values(cu_k, k.shape[0], lens, max_seqlen_k)
     out = torch.empty_like(q)
     longest = max(lens, default=0)
     if longest == 0:
         return out
     batch, block_d = len(lens), 1 << (head_dim - 1).bit_length()
     num_chunks = -(-longest // TORCH_BLOCK_M)
-    num_keys = -(-longest // TORCH_BLOCK_N) * TORCH_BLOCK_N
+    num_keys = -(-max(lens_k) // TORCH_BLOCK_N) * TORCH_BLOCK_N
     qs = torch.stack([_padded(q[cu[b]:cu[b + 1]], num_chunks * TORCH_BLOCK_M, block_d) for b in range(batch)])
-    ks = torch.stack([_padded(k[cu[b]:cu[b + 1]], num_keys, block_d) for b in range(batch)])
-    vs = torch.stack([_padded(v[cu[b]:cu[b + 1]], num_keys, block_d) for b in range(batch)])
+    ks = torch.stack([_padded(k[cu_k[b]:cu_k[b + 1]], num_keys, block_d) for b in range(batch)])
+    vs = torch.stack([_padded(v[cu_k[b]:cu_k[b + 1]], num_keys, block_d) for b in range(batch)])
     # rows [B * Hkv, group * chunks, BLOCK_M]: (sequence, kv head) x (query head of the group, chunk) x position
     rows = qs.view(batch, num_chunks * TORCH_BLOCK_M, num_kv_heads, group, block_d).permute(0, 2, 3, 1, 4)
     rows = rows.reshape(batch * num_kv_heads, group * num_chunks, TORCH_BLOCK_M, block_d)
     pos = torch.arange(num_chunks * TORCH_BLOCK_M, device=q.device).view(1, num_chunks, TORCH_BLOCK_M)
-    pos = pos.repeat(group, 1, 1).view(1, group * num_chunks, TORCH_BLOCK_M).expand(rows.shape[0], -1, -1)
+    pos = pos.repeat(group, 1, 1).view(1, 1, group * num_chunks, TORCH_BLOCK_M)
+    first = torch.tensor([n_k - n for n, n_k in zip(lens, lens_k)], device=q.device).view(batch, 1, 1, 1)
+    pos = (pos + first).expand(batch, num_kv_heads, -1, -1).reshape(rows.shape[:3])
     ks = ks.permute(0, 2, 1, 3).reshape(batch * num_kv_heads, num_keys, block_d)
     vs = vs.permute(0, 2, 1, 3).reshape(batch * num_kv_heads, num_keys, block_d)
     res = _rows_in_slices(rows, ks, vs, pos, scale=scale, window=_window(sliding_window), dtype=q.dtype,
@@ -340,18 +370,20 @@ def exact_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                            scale: float, max_seqlen: int, sliding_window: int | None = None,
+                           cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
                            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`exact_attention`'s forward with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); returns the
     output and each row's base-2 logsumexp, fp32 [num_q_heads, total]. `config` overrides `_forward_config`
     (BLOCK_M, BLOCK_N, num_warps, num_stages); exactness against the decode needs its BLOCK_M, BLOCK_N and
-    num_warps there too."""
+    num_warps there too. The grid spans the queries, so max_seqlen_k is not needed (accepted for symmetry)."""
     import triton
 
     from hybridengine.kernels.exact_attention import exact_varlen_kernel
 
     total, num_q_heads, head_dim = q.shape
+    cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     assert k.shape == v.shape and k.dtype == v.dtype == q.dtype and num_q_heads % k.shape[1] == 0
-    assert cu_seqlens.dtype == torch.int32 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert cu_seqlens.dtype == cu_seqlens_k.dtype == torch.int32 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     out = torch.empty_like(q)
     lse = torch.empty(num_q_heads, total, dtype=torch.float32, device=q.device)
     batch = cu_seqlens.numel() - 1
@@ -360,7 +392,7 @@ def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     cfg = _launch.launch_config(_forward_config(q), config)
     grid = (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), batch, num_q_heads)
     exact_varlen_kernel[grid](
-        q, k, v, cu_seqlens, out, lse,
+        q, k, v, cu_seqlens, cu_seqlens_k, out, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         lse.stride(0), scale * math.log2(math.e), _window(sliding_window),
         GROUP=num_q_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
@@ -473,10 +505,16 @@ class _ExactAttention(torch.autograd.Function):
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                    scale: float, max_seqlen: int, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, max_seqlen: int, sliding_window: int | None = None,
+                    cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None) -> torch.Tensor:
     """Causal self-attention per sequence over packed tokens, exact: row i of a sequence has the bits of
     `exact_decode_attention` at context length i + 1 over the same K/V, whatever the rest of the batch, the
     packing and the sequence's length past i.
+
+    With cu_seqlens_k the queries are the last tokens of longer contexts (a prefill after a cached prefix):
+    query i of sequence b sits at key position len_k - len_q + i, and the key tiles stay at fixed positions
+    from the context's start, so its row has the bits of that position's row of the whole context's
+    self-attention.
 
     Args:
         q: [total, num_q_heads, head_dim], fp16/bf16/fp32, last dim contiguous.
@@ -488,20 +526,29 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         max_seqlen: a host int >= the longest sequence (it sizes the grid; on CUDA the values of cu_seqlens
             are not read back, so a smaller one leaves rows unwritten).
         sliding_window: query i sees keys i - window < j <= i; None: all j <= i.
+        cu_seqlens_k: optional int32 [B + 1] on q's device: k and v are [total_k, ...] and sequence b's keys
+            are their rows cu_seqlens_k[b] .. cu_seqlens_k[b+1], at least its queries. None: k and v are the
+            queries' own tokens (cu_seqlens). Forward only.
+        max_seqlen_k: a host int >= the longest key sequence, checked by the torch path (the kernel's grid
+            spans the queries). None: max_seqlen without cu_seqlens_k, unchecked with it.
 
     Returns [total, num_q_heads, head_dim] in q's dtype. Differentiable in q, k and v with a deterministic
-    backward (two runs give the same bits). CUDA: the Triton kernels; elsewhere: the torch path (its backward
-    the autograd of the fp32 reference).
+    backward (two runs give the same bits) when cu_seqlens_k is None. CUDA: the Triton kernels; elsewhere: the
+    torch path (its backward the autograd of the fp32 reference).
     """
-    _check_varlen(q, k, v, cu_seqlens, scale, max_seqlen, sliding_window)
+    _check_varlen(q, k, v, cu_seqlens, scale, max_seqlen, sliding_window, cu_seqlens_k, max_seqlen_k)
     kernel = _launch.use_kernel(q)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        if cu_seqlens_k is not None:
+            raise ValueError("exact_attention: cu_seqlens_k (keys longer than the queries) is forward only, but an "
+                             "input requires grad; call it under torch.no_grad() or without cu_seqlens_k")
         return _ExactAttention.apply(q, k, v, cu_seqlens, scale, max_seqlen, sliding_window, kernel)
+    keys = dict(cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     if kernel:
         return exact_attention_triton(q, k, v, cu_seqlens, scale=scale, max_seqlen=max_seqlen,
-                                      sliding_window=sliding_window)[0]
+                                      sliding_window=sliding_window, **keys)[0]
     return exact_attention_torch(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window,
-                                 max_seqlen=max_seqlen)
+                                 max_seqlen=max_seqlen, **keys)
 
 
 def exact_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -34,6 +34,14 @@ class AttentionMetadata:
     scale: float
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    cu_seqlens_k: torch.Tensor | None = None
+    """Prefill with cached prefixes: sequence b's keys are rows cu_seqlens_k[b] .. cu_seqlens_k[b+1] of its
+    whole context (None: the keys are the queries' own tokens, cu_seqlens)."""
+    max_seqlen_k: int | None = None
+    """The longest context of a prefill with cached prefixes (None: max_seqlen)."""
+    key_slots: torch.Tensor | None = None
+    """Prefill with cached prefixes: the cache slots of every key (int64 [cu_seqlens_k[-1]]), read back after
+    the step's own K/V are stored, so a prefix cached by a sequence of the same step is read once written."""
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     fused: bool = False
@@ -56,18 +64,21 @@ class AttentionMetadata:
             store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         else:
             q, k = rope_store_kv(q, k, v, *rope, k_cache, v_cache, self.slot_mapping)
-        if self.exact and self.is_prefill:
-            return exact_attention(q, k, v, self.cu_seqlens, scale=self.scale, max_seqlen=self.max_seqlen,
-                                   sliding_window=sliding_window)
-        if self.exact:
-            return exact_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, scale=self.scale,
+        if not self.is_prefill:
+            if self.exact:
+                return exact_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens,
+                                              scale=self.scale, sliding_window=sliding_window)
+            return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, scale=self.scale,
                                           sliding_window=sliding_window)
-        if self.is_prefill:
-            return prefill_attention(q, k, v, self.cu_seqlens, self.cu_seqlens, scale=self.scale,
-                                              sliding_window=sliding_window, max_seqlen_q=self.max_seqlen,
-                                              max_seqlen_k=self.max_seqlen)
-        return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens,
-                                               scale=self.scale, sliding_window=sliding_window)
+        if self.key_slots is not None:  # cached prefixes: every key of the context, this step's just stored
+            k, v = k_cache.flatten(0, 1)[self.key_slots], v_cache.flatten(0, 1)[self.key_slots]
+        if self.exact:
+            return exact_attention(q, k, v, self.cu_seqlens, scale=self.scale, max_seqlen=self.max_seqlen,
+                                   sliding_window=sliding_window, cu_seqlens_k=self.cu_seqlens_k,
+                                   max_seqlen_k=self.max_seqlen_k)
+        cu_k = self.cu_seqlens if self.cu_seqlens_k is None else self.cu_seqlens_k
+        return prefill_attention(q, k, v, self.cu_seqlens, cu_k, scale=self.scale, sliding_window=sliding_window,
+                                 max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen_k or self.max_seqlen)
 
 
 class ModelRunner:
@@ -143,16 +154,27 @@ class ModelRunner:
         return self._decode(batch.seqs, prev_tokens)
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Computes tokens num_cached_tokens .. num_tokens of each sequence; they attend over the whole
+        context, the cached prefix's K/V read from its blocks (`AttentionMetadata.key_slots`)."""
         ids, positions, slots, cu, last = [], [], [], [0], []
+        key_slots, cu_k = [], [0]
         for seq in seqs:
-            n = seq.num_tokens
-            ids.extend(seq.token_ids)
-            positions.extend(range(n))
-            slots.extend(self._slots(seq, 0, n))
-            cu.append(cu[-1] + n)
+            start, n = seq.num_cached_tokens, seq.num_tokens
+            context = self._slots(seq, 0, n)
+            ids.extend(seq.token_ids[start:])
+            positions.extend(range(start, n))
+            slots.extend(context[start:])
+            key_slots.extend(context)
+            cu.append(cu[-1] + n - start)
+            cu_k.append(cu_k[-1] + n)
             last.append(cu[-1] - 1)
         meta = AttentionMetadata(self.kv, True, self._tensor(slots), self.scale, cu_seqlens=self._tensor(cu, torch.int32),
-                                 max_seqlen=max(s.num_tokens for s in seqs), fused=self.fused, exact=self.exact)
+                                 max_seqlen=max(s.num_tokens - s.num_cached_tokens for s in seqs), fused=self.fused,
+                                 exact=self.exact)
+        if cu_k[-1] > cu[-1]:
+            meta.cu_seqlens_k = self._tensor(cu_k, torch.int32)
+            meta.max_seqlen_k = max(s.num_tokens for s in seqs)
+            meta.key_slots = self._tensor(key_slots)
         hidden = self.model.hidden_states_paged(self._tensor(ids), self._tensor(positions), meta)
         return self._logits(hidden[self._tensor(last)])
 

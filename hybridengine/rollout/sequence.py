@@ -44,6 +44,12 @@ class Sequence:
     """Tokens drawn for this sequence by the fused sampler (the Philox counter of a seeded sample)."""
     seq_id: int = field(default_factory=lambda: next(_ids))
     block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Leading tokens whose KV the prefill reads from cached blocks instead of computing: a multiple of the
+    block size, at most num_tokens - 1 (`BlockManager.allocate` sets it, `free` resets it)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chain hashes of the leading full blocks of token_ids (`block_manager.block_hash`), filled by the
+    block manager as blocks fill; a function of the tokens alone, so they outlive a preemption."""
     logprobs: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
