@@ -3,17 +3,35 @@
 Alone (no process group, or a group of one) the engine owns one unsharded model. Under torchrun
 it shards the parameters over the default process group (`ShardedBuffer`). `rollout()` switches
 to the generation view, allocates the paged KV cache inside the memory budget, and on exit frees
-the cache and switches back; `generate` runs the rollout loop (`rollout.generator`) in between.
-The training calls (`log_probs`, `ppo_step`, ...) run the `Trainer` over the training view of the
-same buffer. This is the only module that knows both halves.
+the cache and switches back. In between, requests run through the rollout's `RolloutSession`
+(rollout/requests.py): `add_request` / `step` / `abort` (vLLM's request API), `generate_async`
+(asyncio tasks batched by one stepping task) and `generate` (a batch, run to completion). The
+training calls (`log_probs`, `ppo_step`, ...) run the `Trainer` over the training view of the same
+buffer. This is the only module that knows both halves.
+
+Under TP generation (tp_generation > 1) each TP group has one driver, its first rank (`_tp.src`):
+add_request, abort and generate_async are the driver's. Every driver step() first sends its group
+the requests added and aborted since its last message (a broadcast on a gloo group), and then every
+rank runs the same schedule. The other ranks follow:
+
+    with engine.rollout():
+        while engine.has_unfinished_requests():  # True until the driver leaves its rollout() block
+            engine.step()
+
+A follower's step() waits for the driver's next message: a step, a `generate` call (a follower's own
+`generate` call waits for it too), or the end of the driver's rollout() block, which also brings the
+driver's keep_unfinished choice. A driver idle for longer than collective_timeout_s makes its
+followers time out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import datetime
 import functools
+import itertools
 import os
 import time
 
@@ -28,6 +46,7 @@ from hybridengine.model.tensor_parallel import local_config, make_all_reduce, pa
 from hybridengine.rollout import generator
 from hybridengine.rollout.kv_cache import allocate_kv_cache
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
+from hybridengine.rollout.requests import RolloutSession
 from hybridengine.rollout.runner import ModelRunner
 from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
@@ -72,6 +91,11 @@ class HybridEngine:
         self.model.eval()
         self._sampler = Sampler(config.seed, self.model.vocab_shard, exact=config.exact_logprobs)  # its RNG keys the fused sampler's unseeded rows
         self._runner: ModelRunner | None = None
+        self._session: RolloutSession | None = None  # the open rollout's requests
+        self._kept: list = []  # requests kept unfinished by the last rollout (`rollout(keep_unfinished=True)`)
+        self._stepper: asyncio.Task | None = None  # generate_async's stepping task
+        self._async_ids = itertools.count()
+        self._cache_hits = 0  # prefix-cache hits of the closed rollouts
         self._training = None
         self.stats: dict[str, float] = {}
 
@@ -105,7 +129,7 @@ class HybridEngine:
         if tp == 1:
             return model
         group = self.sharded.tp_group
-        self._tp = generator.TPGroup(group, dist.get_global_rank(group, 0))
+        self._tp = generator.TPGroup.of(group, self.sharded.group, self._timeout)
         self.tp_all_reduce = make_all_reduce(cfg.tp_all_reduce, group, capacity=max(cfg.max_num_seqs, 512)
                                              * self.model_config.hidden_size, dtype=cfg.dtype, device=self.device)
         return parallelize(model, vocab_size=self.vocab_size, tp_rank=self.sharded.tp_rank, tp_size=tp, group=group,
@@ -255,11 +279,24 @@ class HybridEngine:
         if self._runner is not None:
             raise RuntimeError("rollout() is already active")
 
+    @property
+    def policy_version(self) -> int:
+        """Optimizer updates the weights have had (a skipped step is none; restored by `load`): each
+        generated token records the version that sampled it (`CompletionOutput.policy_versions`)."""
+        trainer = self._training
+        return trainer.optimizer.num_steps if trainer is not None and trainer.has_optimizer else 0
+
     @contextlib.contextmanager
-    def rollout(self):
+    def rollout(self, keep_unfinished: bool = False):
         """Generation view + KV cache for the duration of the block; both released on exit. Entering is a
-        collective phase (the switch's all-gathers); leaving is local."""
+        collective phase (the switch's all-gathers). Requests kept by the last rollout re-enter first.
+
+        On a normal exit, unfinished requests are aborted, or with `keep_unfinished` kept (tokens,
+        log-probs and policy versions so far; their KV is recomputed under the next rollout's weights);
+        under TP the driver's choice holds for its group. On an exit by an exception every request is
+        aborted and no rank waits for another."""
         self._guard.agree("rollout", self._check_rollout)
+        ok = False
         try:
             with self._guard.work("rollout"):
                 t0 = time.perf_counter()
@@ -275,16 +312,41 @@ class HybridEngine:
                 self.stats.update(kv_cache_GiB=kv.nbytes() / 2**30, kv_blocks=kv.num_blocks,
                                   cuda_graph_capture_s=self._runner.graph_capture_s,
                                   runner_setup_s=time.perf_counter() - t1)
+            self._session = RolloutSession(self._runner, self._sampler, self.config, vocab_size=self.vocab_size,
+                                           tp=self._tp, policy_version=self.policy_version, kept=self._kept)
+            self._kept = []
+            if self._session.num_waiters:  # generate_async tasks wait on kept requests
+                self._drive_async()
             yield self
+            ok = True
         finally:
             # Drop this frame's references too: empty_cache below must see the cache freed.
             runner, self._runner, kv = self._runner, None, None
+            session, self._session = self._session, None
             try:
-                if runner is not None:
-                    runner.close()
+                if session is not None:
+                    self._kept = self._close(session, keep_unfinished, ok)
             finally:
-                del runner
-                self._leave_rollout()
+                try:
+                    if runner is not None:
+                        runner.close()
+                finally:
+                    del runner
+                    self._leave_rollout()
+
+    def _close(self, session: RolloutSession, keep: bool, ok: bool) -> list:
+        """The end of a rollout's requests: under TP on a normal exit, the driver tells its group (and
+        sends what it has not sent yet); the followers run its messages until then. Returns the kept."""
+        self._cache_hits += session.prefix_cache_hit_tokens
+        if ok and self._tp is not None:
+            with self._guard.work("rollout") as phase:
+                if session.is_driver:
+                    session.send("close", keep)
+                else:
+                    while not session.closed:
+                        self._follow(session, phase)
+                    keep = session.close_keep
+        return session.close(keep, failed=not ok)
 
     def _leave_rollout(self) -> None:
         """The end of every rollout, also after an error: free the cache, back to the training view."""
@@ -297,35 +359,144 @@ class HybridEngine:
         if self.sharded.state == "generation":
             self.sharded.switch_to_training()
 
+    # -- requests (under TP: the driver's; see the module docstring) ----------------------------------
+
+    def _live(self, op: str) -> RolloutSession:
+        if self._session is None:
+            raise ValueError(f"{op}() must be called inside `with engine.rollout():`")
+        return self._session
+
+    def _driver(self, op: str) -> RolloutSession:
+        session = self._live(op)
+        if not session.is_driver:
+            raise ValueError(f"{op}(): under TP generation the TP group's first rank (global rank {self._tp.src}) "
+                             "takes the requests; this rank follows them in step()")
+        return session
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """Add a request to the open rollout; `step()` runs it with the others (continuous batching).
+        request_id: a str, unique among the live requests. Raises ValueError, changing nothing, for a
+        bad or duplicate id, prompt or sampling_params."""
+        session = self._driver("add_request")
+        prompt = session.check_new(request_id, prompt_token_ids, sampling_params)
+        session.submit(request_id, prompt, sampling_params, stream=True)
+
+    def step(self) -> list[RequestOutput]:
+        """One model step of every live request (a new request's prefill, or a decode); returns the
+        outputs of the requests added with add_request that progressed since the last step() (cumulative
+        tokens; `finished` once every sample has finished, reported once). With async scheduling a
+        step's tokens are read during the next one, so a step may report nothing."""
+        session = self._live("step")
+        self._step(session)
+        return [req.output() for req in session.drain()]
+
+    def _step(self, session: RolloutSession) -> None:
+        if self._tp is None:
+            session.step()
+        else:
+            with self._guard.work("step") as phase:
+                if session.is_driver:
+                    session.send("step")
+                    session.step()
+                elif not session.closed:
+                    self._follow(session, phase)
+        self.stats["prefix_cache_hit_tokens"] = self._cache_hits + session.prefix_cache_hit_tokens
+
+    def _follow(self, session: RolloutSession, phase):
+        """TP follower: run the driver's next message (a step, or a generate call: its outputs)."""
+        kind, payload = session.receive()
+        if kind == "step":
+            session.step()
+        elif kind == "generate":
+            return self._generate(session, *payload, consistent=phase.consistent)
+        return None
+
+    def abort(self, request_id: str) -> None:
+        """Drop a live request and free its blocks now; its generate_async task gets its output so far
+        (finish_reason 'abort' for the unfinished samples). An id that finished (or was aborted) in this
+        rollout is a no-op, so stragglers can be aborted without racing their finish; an unknown id
+        raises ValueError."""
+        self._driver("abort").abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Inside rollout(): a request is live, or step() has progress of one left to report (so a loop
+        of step() while this holds sees every request finish); on a TP follower: the driver has not left
+        its rollout() block. Outside: requests are kept for the next rollout."""
+        return self._session.has_unfinished if self._session is not None else bool(self._kept)
+
+    async def generate_async(self, prompt_token_ids: list[int],
+                             sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One request, awaited: many asyncio tasks call it at once and one stepping task (started on
+        demand, ended when no task waits) batches their requests, which run between its steps. Returns
+        the finished RequestOutput (request_id 'async-<n>'). Cancelling the task aborts the request; a
+        request kept across rollouts resumes in the next one."""
+        session = self._driver("generate_async")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        request_id = f"async-{next(self._async_ids)}"
+        prompt = session.check_new(request_id, prompt_token_ids, params)
+        waiter = asyncio.get_running_loop().create_future()
+        session.submit(request_id, prompt, params, stream=False, waiter=waiter)
+        self._drive_async()
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if self._session is not None:
+                with contextlib.suppress(ValueError):  # it left another rollout before the cancellation
+                    self._session.abort(request_id)
+            else:
+                self._kept = [req for req in self._kept if req.key != request_id]
+            raise
+
+    def _drive_async(self) -> None:
+        """Start the stepping task unless it runs (and a loop runs: a rollout entered outside one has
+        no task waiting)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _drive(self) -> None:
+        """Step the open rollout while generate_async tasks wait on it; they run between steps."""
+        while (session := self._session) is not None and session.num_waiters:
+            try:
+                self._step(session)
+            except Exception as err:  # noqa: BLE001 - every waiting task gets it
+                session.fail_waiters(err)
+                return
+            await asyncio.sleep(0)
+
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate completions for token-id prompts inside `rollout()`: one RequestOutput per prompt, in
         prompt order, its samples in index order. `sampling_params`: one for all prompts or one per
-        prompt. Under TP, every rank of a TP group generates its first rank's batch. Stats of the call
-        go to `self.stats`."""
-        if self._runner is None:
-            raise ValueError("generate() must be called inside `with engine.rollout():`")
+        prompt. Under TP, every rank of a TP group generates its first rank's batch (a follower may also
+        be in its step() loop then). Requests of the request API progress alongside. Stats of the call go
+        to `self.stats`."""
+        session = self._live("generate")
         prompts = generator.token_id_lists(prompts)  # a tensor of token ids: one prompt per row
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if isinstance(params, SamplingParams):
-            params = [params] * (len(prompts) if isinstance(prompts, (list, tuple)) else 1)
-        elif isinstance(params, (list, tuple)):
-            params = list(params)
-        else:
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
-        check = functools.partial(generator.check_requests, vocab_size=self.vocab_size, config=self.config,
-                                  num_blocks=self._runner.kv.num_blocks)
-        run = functools.partial(generator.generate, self._runner, self._sampler, config=self.config, tp=self._tp,
-                                progress=use_tqdm and self.rank == 0)
+        params = generator.batch_params(prompts, sampling_params)
         if self._tp is None:  # no collectives: this rank's batch alone
-            check(prompts, params)
-            outputs, stats = run(prompts, params)
-        else:  # a collective phase of the TP group, which generates one batch: its first rank's
-            with self._guard.work("generate") as phase:
-                shared = [prompts, params]
-                dist.broadcast_object_list(shared, src=self._tp.src, group=self._tp.group)
-                prompts, params = shared
-                phase.consistent(check, prompts, params)  # the same requests on every rank: the same verdict
-                outputs, stats = run(prompts, params)
-        self.stats.update(stats)
+            return self._generate(session, prompts, params, progress=use_tqdm)
+        # a collective phase of the TP group, which generates one batch: its first rank's
+        with self._guard.work("generate") as phase:
+            if session.is_driver:
+                session.send("generate", (prompts, params))
+                return self._generate(session, prompts, params, progress=use_tqdm, consistent=phase.consistent)
+            while True:
+                outputs = self._follow(session, phase)
+                if outputs is not None:
+                    return outputs
+                if session.closed:
+                    raise RuntimeError(f"generate(): the TP driver (global rank {self._tp.src}) left its rollout() "
+                                       "block without calling generate")
+
+    def _generate(self, session: RolloutSession, prompts, params, *, progress: bool = False,
+                  consistent=lambda fn, *args, **kwargs: fn(*args, **kwargs)) -> list[RequestOutput]:
+        """`generate`'s batch, checked (under TP on every rank alike: `consistent`) and run to completion."""
+        consistent(generator.check_requests, prompts, params, vocab_size=self.vocab_size, config=self.config,
+                   num_blocks=self._runner.kv.num_blocks)
+        outputs, stats = generator.generate(session, prompts, params, progress=progress and self.rank == 0)
+        self.stats.update(stats, prefix_cache_hit_tokens=self._cache_hits + session.prefix_cache_hit_tokens)
         return outputs

@@ -1,4 +1,8 @@
-"""The rollout loop behind `HybridEngine.generate`: schedule -> run the model -> sample -> post-process.
+"""The rollout loop's pieces: request checks, `generate` over a rollout's requests, and async decode.
+
+`generate` is a thin loop over the rollout's `RolloutSession` (rollout/requests.py): add every prompt,
+step until they have all finished, collect the outputs in prompt order. The session's step is
+schedule -> run the model -> sample -> post-process, with the async decode pipeline below.
 
 Async decode: a decode step is launched before the previous step's tokens reach the host. Each
 launched step gives its sequences a PLACEHOLDER token (`_reserve`), so the next step can be
@@ -18,10 +22,7 @@ import torch.distributed as dist
 
 from hybridengine import checks
 from hybridengine.config import EngineConfig
-from hybridengine.rollout.block_manager import BlockManager
-from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
-from hybridengine.rollout.runner import ModelRunner
-from hybridengine.rollout.sampler import Sampler
+from hybridengine.rollout.outputs import RequestOutput
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.rollout.scheduler import Batch, Scheduler
 from hybridengine.rollout.sequence import PLACEHOLDER, Sequence, Status
@@ -41,10 +42,51 @@ def token_id_lists(prompts):
     return prompts
 
 
+def batch_params(prompts, sampling_params) -> list:
+    """`generate`'s sampling_params as one per prompt: None (the defaults), one for all, or a list."""
+    params = SamplingParams() if sampling_params is None else sampling_params
+    if isinstance(params, SamplingParams):
+        return [params] * (len(prompts) if isinstance(prompts, (list, tuple)) else 1)
+    if isinstance(params, (list, tuple)):
+        return list(params)
+    raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+
+
+def check_request(prompt, params, *, name: str, params_name: str, vocab_size: int, config: EngineConfig,
+                  num_blocks: int) -> None:
+    """One request: `prompt` is a non-empty list of in-vocabulary integer token ids whose samples fit the
+    engine (a batch, max_model_len, the cache). Raises ValueError naming the argument (`name`,
+    `params_name`)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"{params_name} must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        raise ValueError(f"{name} is text ({prompt[:20]!r}); prompts must be token ids (the engine has no "
+                         "tokenizer; encode the prompts first)")
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {checks.describe(prompt)}")
+    if len(prompt) == 0:
+        raise ValueError(f"{name} is empty; every prompt needs at least one token")
+    if not all(map(checks.is_int, prompt)):
+        j = next(j for j, t in enumerate(prompt) if not checks.is_int(t))
+        raise ValueError(f"{name}[{j}] must be an integer token id, got {checks.describe(prompt[j])}")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        bad = next(t for t in prompt if not 0 <= t < vocab_size)
+        raise ValueError(f"{name} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
+    if params.n > config.max_num_seqs:
+        raise ValueError(f"{params_name}: n={params.n} samples exceed EngineConfig.max_num_seqs="
+                         f"{config.max_num_seqs} (a prompt's samples decode in one batch)")
+    if len(prompt) + params.max_tokens > config.max_model_len:
+        raise ValueError(f"{name}: prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds "
+                         f"max_model_len={config.max_model_len}")
+    need = math.ceil((len(prompt) + params.max_tokens) / config.block_size)
+    if need > num_blocks:
+        raise ValueError(f"{name}: needs {need} KV blocks at its longest, the cache has {num_blocks}")
+
+
 def check_requests(prompts, params: list[SamplingParams], *, vocab_size: int, config: EngineConfig,
                    num_blocks: int) -> None:
-    """Every prompt is a non-empty list of in-vocabulary integer token ids whose samples fit the engine
-    (a batch, max_model_len, the cache); raises ValueError naming the first bad request."""
+    """`generate`'s batch: a non-empty list of prompts, one SamplingParams each, every request as
+    `check_request` wants it; raises ValueError naming the first bad request."""
     if isinstance(prompts, str):
         raise ValueError("prompts must be token ids (a list of token-id lists), got text: the engine has no "
                          "tokenizer; encode the prompts first")
@@ -52,103 +94,67 @@ def check_requests(prompts, params: list[SamplingParams], *, vocab_size: int, co
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {checks.describe(prompts)}")
     if len(params) != len(prompts):
         raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-    max_len = config.max_model_len
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
-        if isinstance(prompt, str):
-            raise ValueError(f"prompts[{i}] is text ({prompt[:20]!r}); prompts must be token ids (the engine has no "
-                             "tokenizer; encode the prompts first)")
         if checks.is_int(prompt):
             raise ValueError(f"prompts[{i}] is a single token id {prompt!r}: prompts must be a list of token-id "
                              "lists (for one prompt, pass [ids])")
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompts[{i}] must be a list of token ids, got {checks.describe(prompt)}")
-        if len(prompt) == 0:
-            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-        if not all(map(checks.is_int, prompt)):
-            j = next(j for j, t in enumerate(prompt) if not checks.is_int(t))
-            raise ValueError(f"prompts[{i}][{j}] must be an integer token id, got {checks.describe(prompt[j])}")
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            bad = next(t for t in prompt if not 0 <= t < vocab_size)
-            raise ValueError(f"prompts[{i}] has token id {bad!r} outside the vocabulary [0, {vocab_size})")
-        if p.n > config.max_num_seqs:
-            raise ValueError(f"sampling_params[{i}]: n={p.n} samples exceed EngineConfig.max_num_seqs="
-                             f"{config.max_num_seqs} (a prompt's samples decode in one batch)")
-        if len(prompt) + p.max_tokens > max_len:
-            raise ValueError(f"prompts[{i}]: prompt length {len(prompt)} + max_tokens {p.max_tokens} exceeds "
-                             f"max_model_len={max_len}")
-        need = math.ceil((len(prompt) + p.max_tokens) / config.block_size)
-        if need > num_blocks:
-            raise ValueError(f"prompts[{i}]: needs {need} KV blocks at its longest, the cache has {num_blocks}")
+        check_request(prompt, p, name=f"prompts[{i}]", params_name=f"sampling_params[{i}]", vocab_size=vocab_size,
+                      config=config, num_blocks=num_blocks)
 
 
 @dataclass(frozen=True, slots=True)
 class TPGroup:
-    """The TP group of generation: every rank continues with rank `src`'s tokens."""
+    """The TP group of generation: every rank continues with rank `src`'s tokens, and rank `src` drives
+    the group's requests (`RolloutSession.send`)."""
 
     group: object
     src: int
     """Global rank of the group's first rank."""
+    messages: object
+    """A gloo group over the same ranks for the driver's per-step messages: on the host, so that they
+    never wait for the device (an object broadcast over NCCL syncs with the step in flight)."""
+
+    @classmethod
+    def of(cls, group, parent, timeout) -> "TPGroup":
+        """The TP group `group`, one of the TP groups that split `parent` (ShardedBuffer's layout: TP
+        group j holds parent ranks j, j + m, j + 2m, ...). Every rank of `parent` calls it: the gloo
+        twins are made collectively, each group in the same order on every rank."""
+        mine = dist.get_process_group_ranks(group)
+        messages = group
+        if dist.get_backend(group) != "gloo":
+            ranks, tp = dist.get_process_group_ranks(parent), len(mine)
+            m = len(ranks) // tp
+            for j in range(m):
+                members = [ranks[t * m + j] for t in range(tp)]
+                twin = dist.new_group(members, timeout=timeout, backend="gloo")
+                if members == mine:
+                    messages = twin
+            assert messages is not group, f"TP group {mine} is not one of the layout's groups over {ranks}"
+        return cls(group, mine[0], messages)
 
 
-def generate(runner: ModelRunner, sampler: Sampler, prompts: list[list[int]], params: list[SamplingParams], *,
-             config: EngineConfig, tp: TPGroup | None = None,
+def generate(session, prompts: list[list[int]], params: list[SamplingParams], *,
              progress: bool = False) -> tuple[list[RequestOutput], dict[str, float]]:
-    """Run checked requests to completion; returns (outputs in prompt order, samples in index order;
-    the call's stats: generate_s, steps, decode_s, preemptions, cuda_graph_capture_s, async_steps)."""
-    device = runner.device
-    sched = Scheduler(BlockManager(runner.kv.num_blocks, config.block_size), max_num_seqs=config.max_num_seqs,
-                      max_num_batched_tokens=config.max_num_batched_tokens)
-    outputs = [RequestOutput(list(p)) for p in prompts]
-    finished: list[Sequence] = []
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        sched.add(Sequence(request=i, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=p, fork=p.n))
+    """Run checked requests to completion in `session` (a `RolloutSession`, which may hold other
+    requests: they progress too); returns (outputs in prompt order, samples in index order; the call's
+    stats: generate_s, steps, decode_s, preemptions, cuda_graph_capture_s, async_steps)."""
+    t0 = time.perf_counter()
+    before = session.counters()
+    requests = [session.admit(prompt, p) for prompt, p in zip(prompts, params)]
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=sum(p.n * p.max_tokens for p in params), desc="generate", unit="tok")
-    t0, steps, decode_s, ahead = time.perf_counter(), 0, 0.0, 0
-    inflight: _Sampled | None = None
-    while not sched.done:
-        if inflight is not None and not sched.decodes_next():
-            _resolve(sched, inflight, finished)  # a prefill or a preemption comes next: sync first
-            inflight = None
-            continue
-        ts, captured = time.perf_counter(), runner.graph_capture_s
-        batch = sched.schedule()
-        prev = None if inflight is None else (inflight.next_ids, _rows(batch.seqs, inflight.seqs, device))
-        logits = runner.step(batch, prev)
-        seqs = batch.seqs
-        if batch.is_prefill:
-            logits, seqs = _fork_prefilled(sched, batch, logits, device)
-        tokens, logprobs = sampler(logits, seqs, config.sampler)
-        step = _launch(seqs, tokens, logprobs, tp)
-        if inflight is not None:
-            _resolve(sched, inflight, finished)
-            ahead += 1
-        _reserve(sched, step)
-        if batch.is_prefill or not config.async_scheduling:
-            _resolve(sched, step, finished)
-            inflight = None
-        else:
-            inflight = step
-        if not batch.is_prefill:  # the whole iteration, host bookkeeping included (a lazy graph capture not)
-            decode_s += time.perf_counter() - ts - (runner.graph_capture_s - captured)
-        steps += 1
+    while not all(r.finished for r in requests):
+        session.step()
         if bar is not None:
-            bar.update(len(seqs))
-    if inflight is not None:
-        _resolve(sched, inflight, finished)
+            bar.update(session.num_scheduled)
     if bar is not None:
         bar.close()
-    for seq in sorted(finished, key=lambda s: (s.request, s.sample)):
-        outputs[seq.request].outputs.append(
-            CompletionOutput(seq.sample, seq.completion_ids, seq.logprobs, seq.finish_reason))
-    stats = dict(generate_s=time.perf_counter() - t0, steps=steps, decode_s=decode_s,
-                 preemptions=sched.num_preemptions, cuda_graph_capture_s=runner.graph_capture_s, async_steps=ahead)
-    return outputs, stats
+    stats = {k: v - before[k] for k, v in session.counters().items()}
+    stats.update(generate_s=time.perf_counter() - t0, cuda_graph_capture_s=session.runner.graph_capture_s)
+    return [r.output() for r in requests], stats
 
 
 def _fork_prefilled(sched: Scheduler, batch: Batch, logits: torch.Tensor, device: torch.device):
@@ -192,7 +198,8 @@ class _Sampled:
     """float64 [2, B]: tokens and log-probs (float64 holds both exactly: ids < 2^53, fp32 log-probs)."""
     ready: torch.cuda.Event | None
     void: list[bool]
-    """Rows whose sequence had finished (a stop token read after this step was launched): ignored."""
+    """Rows whose sequence had finished (a stop token read after this step was launched) or was aborted
+    while the step was in flight: ignored."""
 
     def wait(self) -> tuple[list[int], list[float]]:
         """The tokens and log-probs as Python lists, once the copy has landed."""

@@ -1,10 +1,11 @@
 """The continuous-batching scheduler (plain Python): which sequences the next model step runs.
 
-Prefill first (whole prompts, up to a token budget), else one decode step for every running
-sequence. When blocks run out during decode, the newest running sequence is preempted: its blocks
-are freed and it goes back to the waiting queue, to be recomputed (prompt + tokens so far) when it
-is prefilled again. Its sampling generator keeps its state, so seeded outputs do not depend on
-preemption.
+Prefill first (whole prompts, up to a token budget of the tokens not already in the prefix cache),
+else one decode step for every running sequence. When blocks run out during decode, the newest
+running sequence is preempted: its blocks are freed and it goes back to the waiting queue, to be
+recomputed (prompt + tokens so far) when it is prefilled again. Its sampling generator keeps its
+state, so seeded outputs do not depend on preemption. A request kept across a weight update
+re-enters the same way (`rollout.requests`).
 """
 
 from __future__ import annotations
@@ -64,13 +65,14 @@ class Scheduler:
         seqs = len(self.running)  # a prompt awaiting its fork counts as its `fork` samples
         while self.waiting and seqs + self.waiting[0].fork <= self.max_num_seqs:
             seq = self.waiting[0]
+            # The whole context bounds the admission: the cached part is known only once allocated.
             if prefill and tokens + seq.num_tokens > self.max_num_batched_tokens:
                 break
             if not self.blocks.can_allocate(seq):
                 break
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
-            tokens += seq.num_tokens
+            tokens += seq.num_tokens - getattr(seq, "num_cached_tokens", 0)
             seqs += seq.fork
             prefill.append(self.waiting.popleft())
         if prefill:
@@ -129,3 +131,9 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.blocks.free(seq)
         self.running.remove(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished sequence, running or waiting, and free its blocks now."""
+        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self.blocks.free(seq)
