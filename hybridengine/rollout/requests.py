@@ -97,10 +97,9 @@ class RolloutSession:
                  tp: generator.TPGroup | None, policy_version: int, kept: list[Request] = ()):
         self.runner, self.sampler, self.config, self.tp = runner, sampler, config, tp
         self.vocab_size, self.policy_version = vocab_size, policy_version
-        caching = ({"enable_prefix_caching": config.enable_prefix_caching}
-                   if hasattr(config, "enable_prefix_caching") else {})
-        self.sched = Scheduler(BlockManager(runner.kv.num_blocks, config.block_size, **caching),
-                               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+        blocks = BlockManager(runner.kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens)
         self.requests: dict[str | int, Request] = {}
         """Live (unfinished) requests in the scheduler."""
         self.pending: dict[str, Request] = {}
@@ -312,7 +311,7 @@ class RolloutSession:
     @property
     def prefix_cache_hit_tokens(self) -> int:
         """Prompt tokens served from cached KV blocks since the session began."""
-        return getattr(self.sched.blocks, "num_cached_tokens_hit", 0)
+        return self.sched.blocks.num_cached_tokens_hit
 
     # -- the end of the rollout ----------------------------------------------------------------------
 

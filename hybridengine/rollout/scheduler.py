@@ -57,8 +57,7 @@ class Scheduler:
             head = self.waiting[0]
             if len(self.running) + head.fork <= self.max_num_seqs and self.blocks.can_allocate(head):
                 return False
-        need = sum(1 for seq in self.running if self.blocks.append_needs_block(seq))
-        return need <= self.blocks.num_free
+        return self.blocks.num_append_blocks(self.running) <= self.blocks.num_free
 
     def schedule(self) -> Batch:
         prefill, tokens = [], 0
@@ -72,7 +71,7 @@ class Scheduler:
                 break
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
-            tokens += seq.num_tokens - getattr(seq, "num_cached_tokens", 0)
+            tokens += seq.num_tokens - seq.num_cached_tokens
             seqs += seq.fork
             prefill.append(self.waiting.popleft())
         if prefill:
