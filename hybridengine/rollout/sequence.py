@@ -29,8 +29,9 @@ _ids = itertools.count()
 class Sequence:
     """One prompt or one sample: its tokens, its block table, and where it is."""
 
-    request: int
-    """Index of the request (prompt) in the generate() call."""
+    request: int | str
+    """The request's key: its id (`HybridEngine.add_request`, `generate_async`) or, for `generate`'s
+    requests, the prompt's index in the call."""
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
