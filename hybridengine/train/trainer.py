@@ -175,10 +175,10 @@ class Trainer:
             ids, positions, cu = torch.zeros(2, dtype=torch.long), torch.arange(2), [0, 2]
         else:
             ids = torch.cat([batch.input_ids[b] for b in rows])
-            positions = torch.cat([torch.arange(batch.lengths[b]) for b in rows])
+            positions = torch.cat([torch.arange(len(batch.input_ids[b])) for b in rows])
             cu = [0]
             for b in rows:
-                cu.append(cu[-1] + batch.lengths[b])
+                cu.append(cu[-1] + len(batch.input_ids[b]))
         id_index = None
         if embedding_rows:
             id_index = tuple(t.to(self.device) for t in torch.unique(ids, sorted=True, return_inverse=True))
@@ -245,7 +245,7 @@ class Trainer:
     def _targets(self, batch: PPOBatch, rows: list[int], width: int) -> torch.Tensor:
         out = torch.zeros(len(rows), width, dtype=torch.long)
         for i, b in enumerate(rows):
-            out[i, :batch.lengths[b] - 1] = batch.input_ids[b][1:]
+            out[i, :len(batch.input_ids[b]) - 1] = batch.input_ids[b][1:]
         return out.to(self.device)
 
     def _check_batch(self, op: str, batch, fields: tuple[str, ...] = ()) -> None:
@@ -320,7 +320,7 @@ class Trainer:
                                  exact=self.exact)
             lp, e = out if return_entropy else (out, None)
             for i, b in enumerate(rows):
-                n = batch.lengths[b] - 1
+                n = len(batch.input_ids[b]) - 1
                 logp[b, :n] = lp[i, :n].float()
                 if ent is not None:
                     ent[b, :n] = e[i, :n].float()
@@ -495,7 +495,7 @@ class Trainer:
         for rows, normed, head_w, cu in self._scoring_passes(batch, micro_batch_tokens):
             v = self._unpack(F.linear(normed, head_w).squeeze(-1), cu)
             for i, b in enumerate(rows):
-                n = batch.lengths[b] - 1
+                n = len(batch.input_ids[b]) - 1
                 out[b, :n] = v[i, :n].float()
         return out
 
