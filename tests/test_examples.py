@@ -16,7 +16,7 @@ def read_log(path):
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_example_runs_and_logs(tmp_path):
+def test_grpo_example_runs_and_logs(tmp_path, one_thread):
     history = grpo.main(["--steps", "3", "--prompts", "4", "--n", "4", "--out", str(tmp_path)])
     rows = read_log(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows == history
@@ -48,7 +48,7 @@ def test_grpo_example_learns_the_task(tmp_path, one_thread):
     assert first < 0.2 and last >= 0.6, (first, last, rewards)
 
 
-def test_ppo_example_trains_a_critic(tmp_path):
+def test_ppo_example_trains_a_critic(tmp_path, one_thread):
     rows = grpo.main(["--algo", "ppo", "--steps", "3", "--prompts", "8", "--n", "4", "--out", str(tmp_path)])
     assert rows == read_log(tmp_path) and [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

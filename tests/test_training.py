@@ -345,9 +345,9 @@ def _worker(rank, world, init_file, tp, overrides, batches, ref, checkpointing, 
                 assert_weight_close(s.name, view, (None, {s.name: expected}, {s.name: bound}))
 
 
+# N = 8 runs two cases (45-50 s each on the 2-core CI machine): tg 1 and 4 take the code paths they take at N = 4.
 @pytest.mark.parametrize("world,tp,checkpointing", [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True),
-                                                    (2, 1, False), (4, 2, False),
-                                                    (8, 1, True), (8, 2, False), (8, 4, True), (8, 8, False)])
+                                                    (2, 1, False), (4, 2, False), (8, 2, False), (8, 8, False)])
 def test_data_parallel_matches_torch_reference(world, tp, checkpointing):
     """checkpointing False: activations kept, parameters re-gathered in backward (saved-tensor hooks).
     N = 8 (gloo) is the CPU part of the scaling issue: every tg, micro-DP groups of 8, 4, 2 and 1."""
