@@ -34,8 +34,7 @@ import torch
 
 from hybridengine.checks import FLOAT_DTYPES, number, tensor
 from hybridengine.ops import _launch
-from hybridengine.ops.kv_store import check_cache
-from hybridengine.ops.paged_attention import paged_decode_attention_ref
+from hybridengine.ops.paged_attention import check_decode_args, paged_decode_attention_ref
 
 TORCH_BLOCK_M = 16
 """Query rows per chunk of the torch path (the decode's GQA heads padded to it, like the kernels)."""
@@ -146,21 +145,6 @@ def _check_key_values(cu_k: list[int], total_k: int, lens: list[int], max_seqlen
     if max_seqlen_k is not None and max(lens_k, default=0) > max_seqlen_k:
         raise ValueError(f"cu_seqlens_k has a sequence of {max(lens_k)} keys, over max_seqlen_k = {max_seqlen_k}")
     return lens_k
-
-
-def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, out) -> None:
-    op = "exact_decode_attention"
-    tensor(op, "q", q, dim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
-    batch, num_q_heads, head_dim = q.shape
-    _, num_kv_heads = check_cache(op, k_cache, v_cache, q, head_dim=head_dim)
-    _launch.check_attention(op, scale, sliding_window, num_q_heads, num_kv_heads)
-    tensor(op, "block_tables", block_tables, dim=2, dtypes=(torch.int32,), device=q.device, contiguous_last=True)
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"{op}: block_tables must have one row per sequence of q ({batch}), got shape "
-                         f"{tuple(block_tables.shape)}")
-    tensor(op, "context_lens", context_lens, shape=(batch,), dtypes=(torch.int32,), device=q.device)
-    if out is not None:
-        tensor(op, "out", out, shape=q.shape, dtypes=(q.dtype,), device=q.device, contiguous_last=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -570,7 +554,8 @@ def exact_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     CUDA: the Triton kernel (no host sync: CUDA-graph capturable); elsewhere: the torch path.
     """
-    _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, out)
+    check_decode_args("exact_decode_attention", q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
+                      out)
     if _launch.use_kernel(q):
         return exact_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
                                              sliding_window=sliding_window, out=out)

@@ -107,9 +107,9 @@ def decode_partition_plan(batch: int, num_kv_heads: int, head_dim: int, max_cont
     return decode_partitions(max_context_len, num_splits, _decode_config(device, head_dim, num_splits > 1)["BLOCK_N"])
 
 
-def _check(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, max_context_len,
-           out) -> None:
-    op = "paged_decode_attention"
+def check_decode_args(op: str, q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, out) -> int:
+    """The arguments every paged decode op shares (`paged_decode_attention`, `exact_decode_attention`): q, the
+    cache, scale and window, block tables, context lengths and `out`. Returns the cache's block size."""
     tensor(op, "q", q, dim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_cache(op, k_cache, v_cache, q, head_dim=head_dim)
@@ -119,13 +119,20 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_windo
         raise ValueError(f"{op}: block_tables must have one row per sequence of q ({batch}), got shape "
                          f"{tuple(block_tables.shape)}")
     tensor(op, "context_lens", context_lens, shape=(batch,), dtypes=(torch.int32,), device=q.device)
+    if out is not None:
+        tensor(op, "out", out, shape=q.shape, dtypes=(q.dtype,), device=q.device, contiguous_last=True)
+    return block_size
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, max_context_len,
+           out) -> None:
+    op = "paged_decode_attention"
+    block_size = check_decode_args(op, q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, out)
     if num_splits is not None:
         number(op, "num_splits", num_splits, low=1, high=DECODE_MAX_SPLITS, integer=True)
     if max_context_len is not None:
         number(op, "max_context_len", max_context_len, low=1, high=max(block_tables.shape[1] * block_size, 1),
                integer=True)
-    if out is not None:
-        tensor(op, "out", out, shape=q.shape, dtypes=(q.dtype,), device=q.device, contiguous_last=True)
 
 
 def _gather_keys(cache: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
