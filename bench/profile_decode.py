@@ -31,7 +31,7 @@ import torch
 RANGES = ("schedule", "prepare_inputs", "forward", "prefill", "sample", "d2h", "bookkeeping")
 CATEGORIES = {  # first match wins; names lower-cased
     "communication": ("nccl", "allreduce", "all_reduce", "allgather", "one_shot", "two_shot", "symm_mem"),
-    "attention": ("paged_decode", "prefill", "flash", "attn", "store_kv"),
+    "attention": ("paged_decode", "exact_decode", "exact_varlen", "prefill", "flash", "attn", "store_kv"),
     "gemm": ("gemm", "nvjet", "cutlass", "sm90", "cublas", "matmul"),
     "sampling": ("sort", "softmax", "exponential", "argmax", "log_softmax", "logsumexp", "cumsum", "scatter",
                  "gather"),
@@ -151,6 +151,7 @@ def main(argv=None) -> dict:
                     help="instead of profiling, time the decode step with each paged-decode launch config, "
                          "'BLOCK_N:warps:stages:dot16bit[:prefetch],...' (e.g. 32:4:4:1,64:8:1:1:1), one rollout each")
     ap.add_argument("--tg", type=int, default=1, help="TP degree of generation (under torchrun)")
+    ap.add_argument("--exact", action="store_true", help="EngineConfig(exact_logprobs=True): the exact mode's kernels")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -165,7 +166,8 @@ def main(argv=None) -> dict:
     engine = he.HybridEngine(cfg, he.EngineConfig(
         dtype=torch.bfloat16 if cuda else torch.float32, device=args.device, max_model_len=1024,
         max_num_seqs=max(128, args.batch), tp_generation=args.tg,
-        gpu_memory_utilization=0.85, cuda_graphs=not args.no_cuda_graphs, async_scheduling=not args.sync))
+        gpu_memory_utilization=0.85, cuda_graphs=not args.no_cuda_graphs, async_scheduling=not args.sync,
+        exact_logprobs=args.exact))
     gen = torch.Generator().manual_seed(11 * 1000)  # bench.common.random_ids(seed=11) on rank 0
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=gen).tolist()
     params = he.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.new_tokens, seed=None)
@@ -197,7 +199,7 @@ def main(argv=None) -> dict:
                 * engine.model.flat_buffer.data.element_size())
     floor_ms = (engine.model.flat_buffer.nbytes() + args.batch * (args.prompt + args.new_tokens // 2) * kv_token) \
         / (HBM_GBPS * 1e9) * 1e3
-    result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, tg=args.tg,
+    result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, tg=args.tg, exact=args.exact,
                   device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                   cuda_graphs=cuda and not args.no_cuda_graphs, async_scheduling=not args.sync, unprofiled=plain,
                   floor_ms=floor_ms,
