@@ -9,6 +9,7 @@ import torch
 
 from hybridengine import checks
 from hybridengine.model.tensor_parallel import TP_ALL_REDUCE
+from hybridengine.train.offload import MODES as OFFLOAD_MODES
 
 SAMPLERS = ("auto", "fused", "torch")
 
@@ -98,6 +99,18 @@ class EngineConfig:
     tree at tg = 2), and the LM head's log-probs are one row-wise reduction shared by the sampler and the
     trainer (`ops.ppo_loss.chosen_logprobs`). Greedy generation is then batch-invariant. Needs
     fused_training on CUDA (the rollout's elementwise kernels) and tp_generation <= 2."""
+    offload: str = "none"
+    """Where AdamW's state (fp32 moments, fp32 masters or the split masters' low halves: 10-12 bytes a
+    parameter of the local shard) lives (`hybridengine.train.offload`). 'none': on the device. 'rollout':
+    entering `rollout()` moves it to pinned host memory before the KV cache is sized (the cache gets that
+    memory), and the first training call after the rollout starts bringing it back on a side stream (the
+    optimizer step joins it). 'optimizer': in pinned host memory always, streamed through the device in
+    chunks for each optimizer step, so a model whose weights, gradients and activations fit but whose
+    optimizer state does not can train. Results are bit for bit those of 'none'. Each rank offloads its
+    own shard."""
+    offload_host_limit_gib: float | None = None
+    """With offload: the most host memory (GiB) this rank's offloaded state may take; None: what the
+    system has available. A state that needs more raises before anything moves."""
     sampler: str = "auto"
     """'fused': a step whose requests all sample without top-k/top-p draws its tokens and log-probs in
     one Triton pass over the logits (`hybridengine.ops.sample_fused`, Philox noise in the kernel);
@@ -156,6 +169,10 @@ class EngineConfig:
         if self.exact_logprobs and device_type == "cuda" and not self.fused_training:
             raise ValueError("EngineConfig.exact_logprobs=True on CUDA needs fused_training=True: training must run "
                              "the rollout's norm, RoPE and SiLU kernels to compute the same bits")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"EngineConfig.offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
+        if self.offload_host_limit_gib is not None:
+            checks.number(op, "offload_host_limit_gib", self.offload_host_limit_gib, low=0, low_open=True)
         if self.split_master is None:
             self.split_master = self.dtype == torch.bfloat16
         if not isinstance(self.split_master, bool):

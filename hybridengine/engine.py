@@ -187,14 +187,21 @@ class HybridEngine:
             checkpoint.export_hf(path, self.sharded, hf_config=self.hf_config, dtype=self.config.dtype)
 
     def memory_report(self) -> dict[str, float]:
-        """GiB on this rank: parameters (G mapped), optimizer state, gradients, KV cache; torch and NVML totals."""
+        """GiB on this rank: parameters (G mapped), optimizer state, gradients, KV cache; torch and NVML totals;
+        host memory: `host_optimizer` (optimizer state in host memory now), `host_pinned_total` (the host
+        allocation the offload holds, pinned on CUDA; EngineConfig.offload)."""
         gib = 2**30
         rep = dict(parameters_mapped=self.sharded.gen.mapped_bytes() / gib,
                    parameters_shard=self.sharded.layout.shard_numel * self.sharded.layout.element_size / gib)
         trainer = self._training
         tensors = trainer.optimizer.state_tensors() if trainer is not None and trainer.has_optimizer else []
         grads = trainer.held_gradients if trainer is not None else []
-        rep["optimizer"] = sum(t.numel() * t.element_size() for t in tensors) / gib  # 0 before the first step
+        state = sum(t.numel() * t.element_size() for t in tensors)
+        offload = trainer.optimizer.offload if tensors else None
+        host = offload.host_state_bytes() if offload is not None else 0  # a transfer in flight counts at its source
+        rep["optimizer"] = (state - host) / gib  # on the device; 0 before the first step
+        rep["host_optimizer"] = host / gib  # offloaded to host memory (EngineConfig.offload)
+        rep["host_pinned_total"] = (offload.host.nbytes if offload is not None and offload.host is not None else 0) / gib
         rep["gradients"] = sum(g.numel() * g.element_size() for g in grads) / gib
         rep["kv_cache"] = self._runner.kv.nbytes() / gib if self._runner is not None else 0.0
         if self.device.type == "cuda":
@@ -224,11 +231,24 @@ class HybridEngine:
         if self._runner is not None:
             raise RuntimeError("training calls (log_probs, ppo_step) are not allowed inside rollout()")
         if self._training is None:
+            limit = self.config.offload_host_limit_gib
             self._training = Trainer(self.sharded, self.model_config, optimizer_config=cfg,
                                      fused=self.config.fused_training and self.device.type == "cuda",
                                      split_master=self.config.split_master, keep_grads=self.config.keep_grads,
-                                     exact=self.config.exact_logprobs)
+                                     exact=self.config.exact_logprobs, offload=self.config.offload,
+                                     offload_host_limit_bytes=None if limit is None else int(limit * 2**30))
+        self._bring_back_optimizer(cfg is not None)
         return self._training
+
+    def _bring_back_optimizer(self, stepping: bool) -> None:
+        """EngineConfig.offload at a training call: 'rollout' starts copying the optimizer state back to the
+        device (the optimizer step joins it; log_probs runs meanwhile); 'optimizer' makes the host state at
+        the first stepping call's check, so that a host that cannot hold it fails the call before any work."""
+        trainer = self._training
+        if self.config.offload == "rollout" and trainer.has_optimizer:
+            trainer.optimizer.offload.to_device()
+        elif self.config.offload == "optimizer" and stepping:
+            trainer.optimizer  # noqa: B018 - allocates the host state (raises OffloadError before anything moves)
 
     # Each training call is a collective phase: every rank validates its batch (and config) before any
     # collective and the ranks agree on the outcome, so a bad input raises on every rank at once.
@@ -278,6 +298,12 @@ class HybridEngine:
             raise RuntimeError("rollout() needs an actor engine; this one is a critic")
         if self._runner is not None:
             raise RuntimeError("rollout() is already active")
+        trainer = self._training
+        if self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer:
+            # Before any collective: a host that cannot hold the state (or a failed copy) raises on every
+            # rank with the state still on the device. The copies run on a side stream during the switch;
+            # rollout() joins them before it sizes the KV cache.
+            trainer.optimizer.offload.to_host(wait=False)
 
     @property
     def policy_version(self) -> int:
@@ -302,6 +328,9 @@ class HybridEngine:
                 t0 = time.perf_counter()
                 self.sharded.switch_to_generation()
                 self.stats["switch_to_generation_s"] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self._join_offload()  # the KV cache is sized with the optimizer state's memory free
+                self.stats["offload_wait_s"] = time.perf_counter() - t1
                 kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank)
                 t1 = time.perf_counter()
                 self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
@@ -333,6 +362,11 @@ class HybridEngine:
                 finally:
                     del runner
                     self._leave_rollout()
+
+    def _join_offload(self) -> None:
+        trainer = self._training
+        if self.config.offload != "none" and trainer is not None and trainer.has_optimizer:
+            trainer.optimizer.offload.join()
 
     def _close(self, session: RolloutSession, keep: bool, ok: bool) -> list:
         """The end of a rollout's requests: under TP on a normal exit, the driver tells its group (and

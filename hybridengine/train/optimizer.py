@@ -33,6 +33,7 @@ import torch
 
 from hybridengine import checks
 from hybridengine.ops._ext import warn_once
+from hybridengine.train.offload import MODES, StateOffload
 
 PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MASK_DTYPES = (torch.uint8, torch.bool)
@@ -205,11 +206,18 @@ class FlatAdamW:
     half. State per unit: `exp_avg`, `exp_avg_sq` (fp32), `master` (fp32 or None), `master_lo`
     (int16 or None); `num_steps` counts the steps taken.
     Elements whose grad, moments and weight are zero (padding) stay exactly zero.
+
+    `offload` (`hybridengine.train.offload`): 'rollout' lets the state move to host memory and back
+    (`self.offload.to_host()` / `to_device()`; `step`, `state_dict` and `load_state_dict` join a
+    transfer in flight, and `step` brings the state back first); 'optimizer' allocates it in host memory
+    and streams it through the device in chunks for each step. `host_limit_bytes` bounds the host
+    allocation. Either way the results are bit for bit those of 'none'.
     """
 
     def __init__(self, params: list[torch.Tensor], decay_masks: list[torch.Tensor], *,
                  lr: float | Callable[[int], float], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, master_weights: bool | None = None):
+                 weight_decay: float = 0.0, master_weights: bool | None = None, offload: str = "none",
+                 host_limit_bytes: int | None = None, rank: int = 0):
         if not isinstance(params, (list, tuple)) or not params:
             raise ValueError(f"params must be a non-empty list of 1-D tensors, got {checks.describe(params)}")
         if not isinstance(decay_masks, (list, tuple)) or len(decay_masks) != len(params):
@@ -238,6 +246,8 @@ class FlatAdamW:
         if master_weights == "split" and any(p.dtype != torch.bfloat16 for p in params):
             raise ValueError("master_weights='split' needs bf16 params (the master's high half), got "
                              f"{sorted({str(p.dtype) for p in params})}")
+        if offload not in MODES:
+            raise ValueError(f"offload must be one of {MODES}, got {offload!r}")
 
         self.params = list(params)
         self.decay_masks = [m.view(torch.uint8) if m.dtype == torch.bool else m for m in decay_masks]
@@ -248,6 +258,30 @@ class FlatAdamW:
         self.weight_decay = float(weight_decay)
         self.master_weights = master_weights
         self.num_steps = 0
+        self.device = device
+        self.offload_mode = offload
+        # 'rollout' / 'optimizer': the state can move to host memory (StateOffload); 'optimizer' allocates
+        # it there, never on the device.
+        self.offload = (StateOffload(self, host_limit_bytes=host_limit_bytes, host_resident=offload == "optimizer",
+                                     rank=rank) if offload != "none" else None)
+        if offload == "optimizer":
+            shapes = {"exp_avg": (torch.float32, [p.numel() for p in params]),
+                      "exp_avg_sq": (torch.float32, [p.numel() for p in params])}
+            if master_weights is True:
+                shapes["master"] = (torch.float32, [p.numel() for p in params])
+            elif master_weights == "split":
+                shapes["master_lo"] = (torch.int16, [p.numel() for p in params])
+            self.offload.prepare_host(shapes)  # raises before anything is allocated on the device
+            state = {kind: self.offload.host_views(kind, len(params)) for kind in shapes}
+            for ts in state.values():
+                for t in ts:
+                    t.zero_()
+            for p, t in zip(params, state.get("master", [])):
+                t.copy_(p.detach())
+            self.exp_avg, self.exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            self.master, self.master_lo = state.get("master"), state.get("master_lo")
+            self.offload.location = "host"
+            return
         self.exp_avg = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in params]
         self.exp_avg_sq = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in params]
         self.master = [p.detach().float().clone() for p in params] if master_weights is True else None
@@ -255,7 +289,6 @@ class FlatAdamW:
         # exactly its own fp32 value, so the low halves start at zero.
         self.master_lo = ([torch.zeros(p.numel(), dtype=torch.int16, device=device) for p in params]
                           if master_weights == "split" else None)
-        self.device = device
 
     def lr_at(self, step: int) -> float:
         """The learning rate of step `step` (from 1), validated."""
@@ -283,17 +316,48 @@ class FlatAdamW:
         lr = self.lr_at(step)  # validated before any state changes
         update = _kernel_launcher() if _use_kernel(self.device) else adamw_step_ref
         beta1, beta2 = (float(b) for b in self.betas)
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=float(self.eps), weight_decay=float(self.weight_decay),
+                     step=step, grad_scale=grad_scale)
+        if self.offload is not None:
+            if self.offload.host_resident:  # 'optimizer': streamed through the device, chunk by chunk
+                self.offload.step(update, grads, **hyper)
+                self.num_steps = step
+                return
+            self.offload.to_device(wait=True)  # 'rollout': joins the transfer started by the first training call
         for i, p in enumerate(self.params):
             if p.numel() == 0:
                 continue
-            if self.master_lo is not None:
-                master, param = self.master_lo[i], p
-            else:
-                master, param = (self.master[i], p) if self.master is not None else (p, None)
-            update(master, self.exp_avg[i], self.exp_avg_sq[i], grads[i], self.decay_masks[i], param, lr=lr,
-                   beta1=beta1, beta2=beta2, eps=float(self.eps), weight_decay=float(self.weight_decay), step=step,
-                   grad_scale=grad_scale)
+            state = {"exp_avg": self.exp_avg[i], "master": self.master[i] if self.master is not None else None,
+                     "master_lo": self.master_lo[i] if self.master_lo is not None else None}
+            master, param = self.master_and_param(state, p)
+            update(master, self.exp_avg[i], self.exp_avg_sq[i], grads[i], self.decay_masks[i], param, **hyper)
         self.num_steps = step
+
+    def master_and_param(self, state: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (master, param) arguments of one unit's (or chunk's) update: the int16 low half and the
+        bf16 param (split), the fp32 master and the param, or the param alone (its own master)."""
+        if self.master_lo is not None:
+            return state["master_lo"], p
+        if self.master is not None:
+            return state["master"], p
+        return p, None
+
+    def state_lists(self) -> dict[str, list[torch.Tensor]]:
+        """The optimizer's state kept between steps, by kind: the live lists (StateOffload rewrites their
+        entries when the state moves)."""
+        lists = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.master is not None:
+            lists["master"] = self.master
+        if self.master_lo is not None:
+            lists["master_lo"] = self.master_lo
+        return lists
+
+    def state_location(self) -> str:
+        """'device' or 'host': where the live state is (a transfer in flight is finished first)."""
+        if self.offload is None:
+            return "device"
+        self.offload.join()
+        return self.offload.location
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the optimizer's state (moments, masters or their low halves), for memory
@@ -302,8 +366,10 @@ class FlatAdamW:
 
     def masters(self) -> list[torch.Tensor] | None:
         """The fp32 masters (split: joined, new tensors), or None without master weights."""
-        if self.master_lo is not None:
-            return [join_master(p, lo) for p, lo in zip(self.params, self.master_lo)]
+        if self.offload is not None:
+            self.offload.join()
+        if self.master_lo is not None:  # joined where the low halves are (host memory when offloaded)
+            return [join_master(p.to(lo.device), lo) for p, lo in zip(self.params, self.master_lo)]
         return None if self.master is None else list(self.master)
 
     def state_dict(self) -> dict:
@@ -311,8 +377,9 @@ class FlatAdamW:
         tensors, not copies (like torch optimizers; `torch.save` copies), except split masters, which
         are joined into fp32 (the same state as master_weights=True). Hyperparameters and the params
         themselves are not included: the weights are checkpointed with the model."""
+        masters = self.masters()  # joins a transfer in flight: the lists below are the live tensors
         return {"step": self.num_steps, "exp_avg": list(self.exp_avg), "exp_avg_sq": list(self.exp_avg_sq),
-                "master": self.masters()}
+                "master": masters}
 
     def load_state_dict(self, state: dict) -> None:
         """Copy a `state_dict()` into this optimizer's buffers (in place); with master weights the
@@ -336,6 +403,8 @@ class FlatAdamW:
                 if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != torch.float32:
                     raise ValueError(f"state['{key}'][{i}] must be an fp32 tensor of shape {tuple(p.shape)}, "
                                      f"got {checks.describe(t)}")
+        if self.offload is not None:
+            self.offload.join()  # written wherever the state is now (device or host memory)
         with torch.no_grad():
             for key in ("exp_avg", "exp_avg_sq"):
                 for dst, src in zip(getattr(self, key), state[key]):
@@ -346,7 +415,7 @@ class FlatAdamW:
                     p.copy_(dst)
             elif self.master_lo is not None:
                 for p, lo, src in zip(self.params, self.master_lo, state["master"]):
-                    hi, low = split_master(src.to(p.device))
+                    hi, low = split_master(src.to(lo.device))
                     p.copy_(hi)
                     lo.copy_(low)
         self.num_steps = step

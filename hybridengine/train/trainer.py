@@ -47,12 +47,15 @@ class Trainer:
     """Forward/backward and the optimizer of one rank, over a ShardedBuffer."""
 
     def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None,
-                 fused: bool = False, split_master: bool = False, keep_grads: bool = False, exact: bool = False):
+                 fused: bool = False, split_master: bool = False, keep_grads: bool = False, exact: bool = False,
+                 offload: str = "none", offload_host_limit_bytes: int | None = None):
         self.fused = fused  # EngineConfig.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels
         # EngineConfig.exact_logprobs: linear_exact, exact_attention and the exact LM-head pass, the rollout's bits
         self.exact = exact
         self.split_master = split_master  # EngineConfig.split_master: bf16 weights + int16 low halves
         self.keep_grads = keep_grads  # EngineConfig.keep_grads: the grad shards outlive the optimizer step
+        # EngineConfig.offload / offload_host_limit_gib: where FlatAdamW keeps its state (train/offload.py)
+        self.offload, self.offload_host_limit_bytes = offload, offload_host_limit_bytes
         self.sharded, self.config = sharded, config
         self.layout = sharded.layout
         self.device = sharded.device
@@ -105,7 +108,8 @@ class Trainer:
             c = self._opt_config
             master = "split" if self.split_master else None  # EngineConfig checked the dtype
             self._optimizer = FlatAdamW(self.sharded.shard_views(), self._decay, lr=c.lr, betas=c.betas, eps=c.eps,
-                                        weight_decay=c.weight_decay, master_weights=master)
+                                        weight_decay=c.weight_decay, master_weights=master, offload=self.offload,
+                                        host_limit_bytes=self.offload_host_limit_bytes, rank=self.sharded.rank)
         return self._optimizer
 
     def reset_optimizer(self, *, split_master: bool | None = None) -> None:
