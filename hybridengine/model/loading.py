@@ -18,7 +18,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -90,6 +90,36 @@ def _init_weights(model: CausalLM, seed: int) -> None:
             view.copy_(torch.empty(view.shape).normal_(0.0, std, generator=gen))
 
 
+def check_hf_tensor(name: str, item, where: str, shapes: Mapping[str, tuple[int, ...]], *, tied: bool,
+                    model_type: str, strict: bool = True) -> str | None:
+    """The parameter that the HF-named tensor `item` (a tensor or a safetensors slice, read from its
+    header only) is for: `name` itself, or for `lm_head.weight` of a tied model (`tied`) the embedding
+    it is tied to. None for a tensor to skip: a saved rotary buffer, or (`strict=False`) a name that is
+    not a parameter. A ValueError naming the tensor and `where` for an unknown name (strict), a shape
+    other than `shapes[name]`, or a dtype that is not floating."""
+    if _IGNORED.search(name):
+        return None
+    target = _EMBED if name == _TIED_HEAD and tied else name
+    if target not in shapes:
+        if not strict:
+            return None
+        raise ValueError(f"unexpected tensor {name!r} in {where}: not a parameter of this {model_type} model")
+    shape, dtype, is_float = _header(item)
+    expected = tuple(shapes[target])
+    if shape != expected:
+        raise ValueError(f"tensor {name!r} in {where} has shape {shape}, expected {expected}")
+    if not is_float:
+        raise ValueError(f"tensor {name!r} in {where} has dtype {dtype}, expected a floating dtype")
+    return target
+
+
+def check_tied_head(head: torch.Tensor, embed: torch.Tensor, where: str) -> None:
+    """A tied model's `lm_head.weight` must equal its embedding (`embed`, in the model dtype) after conversion."""
+    if not torch.equal(head.to(embed.dtype).to(embed.device), embed):
+        raise ValueError(f"tensor {_TIED_HEAD!r} in {where} differs from {_EMBED!r}, but the config "
+                         f"ties the embeddings (tie_word_embeddings=True)")
+
+
 @torch.no_grad()
 def _fill(model: CausalLM, tensors: Iterator[tuple[str, object, str]]) -> None:
     """Copy (name, tensor-or-safetensors-slice, where) items into the model's buffer views, checking them.
@@ -97,26 +127,19 @@ def _fill(model: CausalLM, tensors: Iterator[tuple[str, object, str]]) -> None:
     A slice (from `safe_open.get_slice`) is checked from its header before its data is read.
     """
     views = model.flat_buffer.views()
+    shapes = {n: tuple(v.shape) for n, v in views.items()}
     seen: dict[str, str] = {}
     tied_head: tuple[torch.Tensor, str] | None = None
     for name, item, where in tensors:
-        if _IGNORED.search(name):
-            continue
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice: in {seen[name]} and in {where}")
-        tied_extra = name == _TIED_HEAD and model.config.tie_word_embeddings
-        if name not in views and not tied_extra:
-            raise ValueError(f"unexpected tensor {name!r} in {where}: not a parameter of this "
-                             f"{model.config.model_type} model")
-        shape, dtype, is_float = _header(item)
-        expected = tuple(views[_EMBED if tied_extra else name].shape)
-        if shape != expected:
-            raise ValueError(f"tensor {name!r} in {where} has shape {shape}, expected {expected}")
-        if not is_float:
-            raise ValueError(f"tensor {name!r} in {where} has dtype {dtype}, expected a floating dtype")
+        target = check_hf_tensor(name, item, where, shapes, tied=model.config.tie_word_embeddings,
+                                 model_type=model.config.model_type)
+        if target is None:
+            continue
         seen[name] = where
         tensor = item if isinstance(item, torch.Tensor) else item[:]
-        if tied_extra:
+        if target != name:
             tied_head = (tensor, where)
         else:
             views[name].copy_(tensor)
@@ -125,10 +148,7 @@ def _fill(model: CausalLM, tensors: Iterator[tuple[str, object, str]]) -> None:
         shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"missing tensors: {shown}")
     if tied_head is not None:
-        embed = views[_EMBED]
-        if not torch.equal(tied_head[0].to(embed.dtype).to(embed.device), embed):
-            raise ValueError(f"tensor {_TIED_HEAD!r} in {tied_head[1]} differs from {_EMBED!r}, but the config "
-                             f"ties the embeddings (tie_word_embeddings=True)")
+        check_tied_head(tied_head[0], views[_EMBED], tied_head[1])
 
 
 def _header(item) -> tuple[tuple[int, ...], str, bool]:

@@ -46,6 +46,7 @@ from hybridengine.model.config import ModelConfig, RopeConfig
 from hybridengine.ops import segment_copy
 from hybridengine.sharding.layout import ParamSpec, ShardedLayout
 from hybridengine.sharding.switch import ShardedBuffer
+from hybridengine.sharding.weights import unit_names, unit_tensors
 
 FORMAT = 2
 """1: before checksums, save ids and the sampler's RNG state (still read, unverified, with a warning)."""
@@ -511,12 +512,8 @@ def restore_(meta: CheckpointMeta, sharded: ShardedBuffer, optimizer: Callable[[
 
 def full_state_dict(sharded: ShardedBuffer) -> dict[str, torch.Tensor]:
     """Every parameter in natural layout (CPU), gathered from all ranks (every rank gets it)."""
-    out = {}
-    for u, unit in enumerate(sharded.layout.units):
-        natural = sharded.gather_unit(u)
-        for s in unit.params:
-            out[s.name] = sharded.natural_view(natural, s.name).detach().cpu().clone()
-    return out
+    return {name: t for u, names in enumerate(unit_names(sharded.layout))
+            for name, t in unit_tensors(sharded, u, names, device="cpu")}
 
 
 def export_hf(path: str | os.PathLike, sharded: ShardedBuffer, *, hf_config: dict, dtype: torch.dtype) -> None:
