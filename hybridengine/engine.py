@@ -186,6 +186,77 @@ class HybridEngine:
         with self._guard.phase("export_hf", check):
             checkpoint.export_hf(path, self.sharded, hf_config=self.hf_config, dtype=self.config.dtype)
 
+    # -- weights in and out, in transformers naming (docs/weights.md) ---------------------------------
+
+    def state_dict(self, *, rank0_only: bool = False, device: torch.device | str | None = None):
+        """An iterator of (name, tensor): every weight in transformers naming and order, each its own
+        full tensor (`device`, default the engine's), all-gathered one unit (layer, embedding, head) at a
+        time. With tied embeddings `lm_head.weight` follows `model.embed_tokens.weight` as the same
+        tensor (as transformers' state_dict has both). Every rank iterates it to the end, in step (the
+        gathers are collective); every rank gets every tensor, or with `rank0_only` rank 0 alone (the
+        others gather and yield nothing). Not inside rollout(). The call agrees on its arguments on
+        every rank; the gathers run as the iterator advances."""
+        def check():
+            if self._runner is not None:
+                raise RuntimeError("state_dict() is not allowed inside rollout(): it gathers the training view")
+            if not isinstance(rank0_only, bool):
+                raise ValueError(f"state_dict: rank0_only must be a bool, got {rank0_only!r}")
+            if device is not None and not isinstance(device, (str, torch.device)):
+                raise ValueError(f"state_dict: device must be None, a str or a torch.device, got {device!r}")
+            if device is not None:
+                try:
+                    torch.device(device)
+                except RuntimeError as e:
+                    raise ValueError(f"state_dict: device {device!r} is not a device: {e}") from None
+
+        self._guard.agree("state_dict", check)
+        return self._state_dict(rank0_only, device)
+
+    def _state_dict(self, rank0_only: bool, device):
+        from hybridengine.sharding import weights
+
+        order = {name: i for i, (name, _) in enumerate(self.model.named_parameters())}
+        keep = not rank0_only or self.rank == 0
+        tied = self.role == "actor" and self.model_config.tie_word_embeddings
+        for u, names in enumerate(weights.unit_names(self.sharded.layout, order)):
+            with self._guard.work("state_dict"):
+                items = weights.unit_tensors(self.sharded, u, names, device=device, keep=keep)
+            for name, tensor in items:
+                yield name, tensor
+                if tied and name == weights.EMBED:
+                    yield weights.TIED_HEAD, tensor
+
+    def load_weights(self, weights, *, strict: bool = True) -> list[str]:
+        """Write named tensors (transformers naming, full shapes; a mapping or an iterable of pairs, which
+        is materialised: every tensor is held until the call returns) into the shared buffer: this rank's
+        training shards and, inside rollout(), its generation view too. Every rank calls it with the same
+        tensors. Everything is checked before anything is written: a name that is not a parameter
+        (`strict=False`: skipped), a shape other than the parameter's, a non-floating dtype or a name given
+        twice raises ValueError on every rank, the engine unchanged. A subset is fine: the others keep
+        their values. The optimizer's master weights of the written parameters become the new values
+        (its moments and step count stay); inside rollout() the prefix cache is reset. Returns the names
+        of the parameters written, in the buffer's order (a tied `lm_head.weight` writes the embedding)."""
+        from hybridengine.sharding import weights as hf_weights
+
+        writes: list = []
+
+        def check():
+            if not isinstance(strict, bool):
+                raise ValueError(f"load_weights: strict must be a bool, got {strict!r}")
+            writes[:] = hf_weights.check_weights(
+                weights, self.sharded.layout, tied=self.role == "actor" and self.model_config.tie_word_embeddings,
+                model_type=self.model_config.model_type, strict=strict)
+
+        with self._guard.phase("load_weights", check) as phase:
+            phase.consistent(hf_weights.check_same_writes, writes, self.group)
+            masks = hf_weights.write_weights_(self.sharded, writes, generation=self.sharded.state == "generation")
+            trainer = self._training
+            if trainer is not None and trainer.has_optimizer:
+                hf_weights.refresh_masters_(trainer.optimizer, masks)
+            if self._session is not None:  # cached KV was computed with the old weights
+                self._session.sched.blocks.reset_prefix_cache()
+        return [name for name, _ in writes]
+
     def memory_report(self) -> dict[str, float]:
         """GiB on this rank: parameters (G mapped), optimizer state, gradients, KV cache; torch and NVML totals;
         host memory: `host_optimizer` (optimizer state in host memory now), `host_pinned_total` (the host
