@@ -65,6 +65,11 @@ def host_available_bytes() -> int | None:
     return available_memory()
 
 
+def allocate_host(nbytes: int) -> torch.Tensor:
+    """The host allocation's bytes (pageable; `HostBuffer` registers them on CUDA)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def _release_host(data: torch.Tensor, pinned: bool, device: torch.device) -> None:
     """Unregister the host allocation once no copy can still read or write it."""
     if pinned:
@@ -94,7 +99,7 @@ class HostBuffer:
                                f"{available / gib:.3f} GiB is available; free host memory or use offload='none'")
         self.pinned = device.type == "cuda"
         try:
-            data = torch.empty(total, dtype=torch.uint8)
+            data = allocate_host(total)
         except RuntimeError as e:
             raise OffloadError(f"rank {rank}: cannot allocate {total / gib:.3f} GiB of host memory for the "
                                f"optimizer state ({e})") from e
