@@ -332,3 +332,15 @@ def test_checkpoint_of_offloaded_state_resumes_bitwise(tmp_path, mode):
         for k in want:
             for name in (want[k] if isinstance(want[k], dict) else range(len(want[k]))):
                 assert torch.equal(got[k][name], want[k][name]), (load_mode, k, name)
+
+
+# -- the real-shaped presets (the 14B one is the offload's target: its optimizer state does not fit a GPU) --
+
+@pytest.mark.parametrize("name, billions", [("qwen2.5-1.5b", 1.544), ("qwen2-7b", 7.616), ("qwen2.5-14b", 14.770),
+                                            ("qwen2.5-32b", 32.764)])
+def test_real_shaped_presets_have_their_models_parameter_counts(name, billions):
+    from hybridengine.model.config import ModelConfig
+    from hybridengine.model.decoder import CausalLM
+
+    model = CausalLM(ModelConfig.from_hf(he.model_config(name)), dtype=torch.bfloat16, device="meta")
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=5e-4)

@@ -21,6 +21,14 @@ MODEL_CONFIGS: dict[str, dict] = {
         num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
     ),
+    # Qwen2.5-14B shapes (the Instruct model's config.json: 32768 positions, rms_norm_eps 1e-6; the base
+    # model's says 131072 and 1e-5): 14.77B parameters, whose AdamW state (12 B a parameter with split
+    # masters) does not fit next to the weights on one 141 GB GPU.
+    "qwen2.5-14b": dict(
+        model_type="qwen2", hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=13824, vocab_size=152064, tie_word_embeddings=False,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
     # A 32B-class config (Qwen2.5-32B shapes) for the scaling runs.
     "qwen2.5-32b": dict(
         model_type="qwen2", hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
