@@ -10,16 +10,17 @@ from hybridengine.config import EngineConfig
 from hybridengine.engine import HybridEngine
 from hybridengine.faults import CollectiveError
 from hybridengine.model import MODEL_CONFIGS, CausalLM, ModelConfig, RopeConfig, load_model, model_config
-from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
+from hybridengine.ops.ppo_loss import masked_logprobs, ppo_loss, token_logprobs, value_loss
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.sharding.buffer import FlatParamBuffer
 from hybridengine.sharding.layout import ParamSpec, ShardedLayout, param_specs, tp_role, unit_of
-from hybridengine.train.trainer import PPOBatch, PPOConfig, ValueConfig
+from hybridengine.train import losses
+from hybridengine.train.trainer import PPOBatch, PPOConfig, TrainConfig, ValueConfig
 
 __version__ = "0.1.0"
 
 __all__ = ["CausalLM", "CollectiveError", "CompletionOutput", "EngineConfig", "FlatParamBuffer", "HybridEngine", "MODEL_CONFIGS",
            "ModelConfig", "PPOBatch", "PPOConfig", "ParamSpec", "RequestOutput", "RopeConfig", "SamplingParams",
-           "ShardedLayout", "ValueConfig", "__version__", "load_model", "model_config", "param_specs", "ppo_loss",
+           "ShardedLayout", "TrainConfig", "ValueConfig", "__version__", "load_model", "losses", "masked_logprobs", "model_config", "param_specs", "ppo_loss",
            "tp_role", "token_logprobs", "unit_of", "value_loss"]

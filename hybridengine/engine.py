@@ -353,6 +353,28 @@ class HybridEngine:
         with self._guard.phase("ppo_step", lambda: self._trainer(config).check("ppo_step", batch, config)):
             return self._trainer(config).ppo_step(batch, config, checked=True)
 
+    def train_step(self, batch, loss_fn, config=None) -> dict:
+        """One optimizer step with a custom token-level loss: `loss_fn(logp, entropy, fields) -> scalar` (or
+        `(scalar, metrics)`) in plain torch on the per-token log-probs and entropies of each micro-batch,
+        which the fused LM-head pass computes without the [tokens, vocab] logits and differentiates
+        through (`hybridengine.train.losses` describes `fields` and ships PPO clip, GSPO, CISPO, SFT and
+        DPO). config: a `TrainConfig` (or `PPOConfig`): micro-batching, `loss_scale` (how micro-batch
+        losses are weighted across micro-batches and ranks), clipping, AdamW, temperature. Returns the
+        stats of `ppo_step` (loss, the loss's metrics, grad_norm, lr, step, skipped, ...). A loss that
+        fails or returns a non-scalar or non-finite value raises `LossFnError` on every rank before any
+        update; the engine stays usable."""
+        from hybridengine.train.losses import LossFnError
+        from hybridengine.train.trainer import TrainConfig
+
+        config = config if config is not None else TrainConfig()
+        with self._guard.phase("train_step", lambda: self._trainer(config).check("train_step", batch, config,
+                                                                                 loss_fn=loss_fn)) as phase:
+            try:
+                return self._trainer(config).train_step(batch, loss_fn, config, checked=True)
+            except LossFnError:
+                phase.consistent_error = True  # agreed in the step: every rank raises it, nothing is out of step
+                raise
+
     # -- rollout ------------------------------------------------------------------------------------
 
     def prepare_rollout(self) -> None:

@@ -481,7 +481,7 @@ def _kernels():
 def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                rows: torch.Tensor | None, *, temperature: float, coefs=None, grad_hidden=None, grad_weight=None,
                grad_bias=None, chunk_rows: int | None = None, block_v: int | None = None, grad_bytes: int = 0,
-               exact: bool = False):
+               exact: bool = False, keep: dict | None = None):
     """One pass over the LM head, chunk by chunk, never holding more than one [C, V] logits chunk.
 
     hidden [B, T, H] (any strides: a [:, -T:] slice of the prompt+response states is read chunk by
@@ -491,7 +491,9 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     also turns each chunk into dL/dlogits and accumulates it into grad_hidden [B * T, H] (rows not
     selected are left alone), grad_weight [V, H] and grad_bias (fp32 [V]), whichever are given.
     exact: each chunk's logits from `linear_exact` and its stats from the per-row-temperature kernel,
-    the code of `chosen_logprobs` (the gradients are the same either way).
+    the code of `chosen_logprobs` (the gradients are the same either way). `keep` (a dict, without
+    `coefs`): receives the last chunk's logits (`logits`, its first row `start`, the chunk `buffer`) for a
+    backward that does not recompute them (`_head_grad_pass`).
     """
     kernels = _kernels()
     B, T, H = hidden.shape
@@ -533,6 +535,8 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                 torch.addmm(bias, h, weight.t(), out=x)
             kernels.logit_stats(x, t, inv_temperature=inv_t, out=(lse, logp, ent), block_v=block_v)
         if coefs is None:
+            if keep is not None and end == num:
+                keep.update(logits=x, start=start, buffer=buffer)
             continue
         g_logp, g_ent = coefs(start, end, logp, ent)
         kernels.logit_grad_(x, t, lse, ent, g_logp.contiguous(), g_ent.contiguous(), inv_temperature=inv_t,
@@ -547,6 +551,63 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if grad_bias is not None:
             grad_bias += x.sum(0, dtype=torch.float32)
     return stats
+
+
+def _head_grad_pass(hidden, weight, bias, targets, rows, lse, entropy, g_logp, g_ent, *, temperature, chunk,
+                    kept, grad_hidden, grad_weight, grad_bias, block_v=None, exact=False) -> None:
+    """The backward of a `_head_pass` run with `keep`: per chunk of the same rows, dL/dlogits from the saved
+    fp32 (lse, entropy) and the per-row dL/dlogp, dL/dentropy, into grad_hidden / grad_weight / grad_bias.
+    The kept last chunk goes first (no GEMM for it); its storage then holds the recomputed chunks, so the
+    pass never holds more than one [C, V] chunk."""
+    kernels = _kernels()
+    B, T, H = hidden.shape
+    try:
+        flat = hidden.view(B * T, H)
+    except RuntimeError:
+        flat = None
+    num = B * T if rows is None else rows.numel()
+    device = hidden.device
+    inv_t = 1.0 / temperature
+    starts = list(range(0, num, chunk))
+    last = kept.get("start") if kept else None
+    if last in starts:  # the kept chunk first, then the others in order
+        starts.remove(last)
+        starts.insert(0, last)
+    buffer = None
+    for start in starts:
+        end = min(start + chunk, num)
+        index = None if rows is None else rows[start:end]
+        if flat is None:
+            token = torch.arange(start, end, device=device) if index is None else index
+            h = hidden[token // T, token % T]
+        else:
+            h = flat[start:end] if index is None else flat.index_select(0, index)
+        t = targets[start:end] if index is None else targets.index_select(0, index)
+        if start == last:
+            x = kept.pop("logits")
+            buffer = kept.pop("buffer", None)  # the forward's chunk storage holds the recomputed chunks
+        elif exact:
+            x = None  # the previous chunk's logits go before the next are allocated
+            x = _linear_exact(h, weight, bias)
+        else:
+            if buffer is None:
+                buffer = torch.empty(min(chunk, num), weight.shape[0], dtype=hidden.dtype, device=device)
+            x = buffer[:end - start]
+            if bias is None:
+                torch.mm(h, weight.t(), out=x)
+            else:
+                torch.addmm(bias, h, weight.t(), out=x)
+        kernels.logit_grad_(x, t, lse[start:end], entropy[start:end], g_logp[start:end].contiguous(),
+                            g_ent[start:end].contiguous(), inv_temperature=inv_t, block_v=block_v)
+        if grad_hidden is not None:
+            if index is None:
+                torch.mm(x, weight, out=grad_hidden[start:end])
+            else:
+                grad_hidden.index_copy_(0, index, x @ weight)
+        if grad_weight is not None:
+            grad_weight.addmm_(x.t(), h)
+        if grad_bias is not None:
+            grad_bias += x.sum(0, dtype=torch.float32)
 
 
 def _grad_buffers(hidden, weight, bias, needs, rows):
@@ -682,6 +743,72 @@ def _token_logprobs_fused(hidden, weight, targets, *, bias, temperature, exact=F
     return logp.view(B, T), entropy.view(B, T)
 
 
+class _FusedMaskedLogprobs(torch.autograd.Function):
+    """Forward: stats of the masked-in rows (2*M*H*V), keeping the last chunk's logits. Backward: dL/dlogits
+    from dL/dlogp and dL/dentropy chunk by chunk, recomputing every chunk but the kept one (4*M*H*V, plus
+    2*M*H*V for each recomputed chunk: none when the rows fit in one chunk)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, rows, temperature, needs, chunk_rows, block_v, exact):
+        B, T, H = hidden.shape
+        targets = targets.reshape(-1).long()
+        num = B * T if rows is None else rows.numel()
+        chunk = chunk_rows or _chunk_rows(num, weight.shape[0], hidden.element_size(),
+                                          _grad_bytes(hidden, weight, needs))
+        kept = {} if any(needs) else None
+        lse, logp, entropy = _head_pass(hidden, weight, bias, targets, rows, temperature=temperature,
+                                        chunk_rows=chunk, block_v=block_v, exact=exact, keep=kept)
+        ctx.save_for_backward(hidden, weight, bias, targets, rows, lse, entropy)
+        ctx.kept, ctx.args = kept, (temperature, needs, chunk, block_v, exact)
+        return _scatter(logp, rows, B, T), _scatter(entropy, rows, B, T)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, rows, lse, entropy = ctx.saved_tensors
+        temperature, needs, chunk, block_v, exact = ctx.args
+        if ctx.kept is None:
+            raise RuntimeError("masked_logprobs: a second backward through one call (retain_graph=True) is not "
+                               "supported: the kept logits chunk is consumed by the first")
+        kept, ctx.kept = ctx.kept, None
+        B, T, H = hidden.shape
+
+        def per_row(g):  # [B, T] -> fp32 per computed row
+            if g is None:
+                return torch.zeros_like(lse)
+            g = g.reshape(-1).float()
+            return g if rows is None else g.index_select(0, rows)
+
+        grad_h, grad_w, grad_b = _grad_buffers(hidden, weight, bias, needs, rows)
+        if lse.numel():
+            _head_grad_pass(hidden, weight, bias, targets, rows, lse, entropy, per_row(grad_logp),
+                            per_row(grad_entropy), temperature=temperature, chunk=chunk, kept=kept,
+                            grad_hidden=grad_h, grad_weight=grad_w, grad_bias=grad_b, block_v=block_v, exact=exact)
+        if grad_h is not None:
+            grad_h = grad_h.view(B, T, H)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, *([None] * 7)
+
+
+def _masked_logprobs_fused(hidden, weight, targets, mask_bool, num_tokens, *, bias, temperature, exact=False,
+                           chunk_rows=None, block_v=None):
+    """The Triton path of `masked_logprobs` (inputs already validated)."""
+    rows = None if num_tokens == mask_bool.numel() else mask_bool.reshape(-1).nonzero().squeeze(1)
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
+    return _FusedMaskedLogprobs.apply(hidden, weight, bias, targets, rows, temperature, needs, chunk_rows, block_v,
+                                      exact)
+
+
+def _masked_logprobs_ref(hidden, weight, targets, mask_bool, bias, temperature, exact=False):
+    """Plain torch: `_ppo_loss_ref`'s log-probs (full logits, masked-out targets read as 0), then 0 where
+    the mask is 0 (no gradient flows there)."""
+    safe_targets = torch.where(mask_bool, targets, torch.zeros_like(targets))
+    logp, entropy = _logprobs_ref(hidden, weight, safe_targets, bias, temperature, exact)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    return torch.where(mask_bool, logp, zero), torch.where(mask_bool, entropy, zero)
+
+
 def _use_kernels(op: str, hidden: torch.Tensor) -> bool:
     """The Triton path where `_launch.use_kernel` says so (CUDA; tests patch it to run the kernels under the
     interpreter, as `chosen_logprobs` does) for bf16/fp16/fp32; the reference otherwise (warned once)."""
@@ -763,6 +890,36 @@ def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, retur
     else:
         logp, entropy = _logprobs_ref(hidden, weight, targets, bias, temperature, exact)
     return (logp, entropy) if return_entropy else logp
+
+
+def masked_logprobs(hidden, weight, targets, mask, *, bias=None, temperature=1.0, exact=False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (logp, entropy), fp32 [B, T], of the target tokens where mask is 1, for a loss written in
+    plain torch on them (`HybridEngine.train_step`); 0 where mask is 0 (never computed, no gradient).
+
+    hidden [B, T, H], weight [V, H], bias [V] or None, targets [B, T] int (any value where mask is 0),
+    mask [B, T] 0/1. `logp = log_softmax((hidden @ weight.T + bias) / temperature)[targets]` and the
+    entropy of that distribution, exactly as `ppo_loss` computes them (`exact=True`: the bits of
+    `token_logprobs(exact=True)` and of the sampler). Differentiable: any dL/dlogp and dL/dentropy flow
+    back to hidden, weight and bias through d logp / d logits = onehot - softmax and d entropy / d logits
+    = -softmax * (log softmax + entropy), both divided by the temperature.
+
+    On CUDA the fused path runs: the forward computes the stats chunk by chunk (one [C, V] logits chunk at
+    a time) and keeps the last chunk; the backward turns each chunk into dL/dlogits and the hidden, weight
+    and bias gradients, recomputing every chunk but the kept one. When the masked-in tokens fit in one
+    chunk (up to ~3.5k tokens at V = 152k bf16) the op costs what `ppo_loss` does (6*M*H*V flops); past
+    that, 2*M*H*V more for the recomputed chunks. Peak memory is `ppo_loss`'s: one chunk plus the
+    gradients. Elsewhere the plain-torch reference (full logits) runs.
+    """
+    op = "masked_logprobs"
+    _check_head(op, hidden, weight, bias, targets)
+    _check_temperature(temperature)
+    mask_bool = _mask_bool(op, mask, targets.shape, hidden.device, strict=False)
+    num_tokens = _check_values(op, targets, weight.shape[0], mask, mask_bool)
+    if _use_kernels(op, hidden):
+        return _masked_logprobs_fused(hidden, weight, targets, mask_bool, num_tokens, bias=bias,
+                                      temperature=temperature, exact=exact)
+    return _masked_logprobs_ref(hidden, weight, targets, mask_bool, bias, temperature, exact)
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, inv_temperature: float | torch.Tensor

@@ -11,6 +11,9 @@ import torch.distributed as dist
 from hybridengine import checks
 
 _FIELDS = ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs", "old_values", "returns")
+RESERVED_FIELDS = ("mask", "seq_index", "valid", "input_ids", "targets", "num_tokens", "num_sequences",
+                   "global_tokens", "global_sequences")
+"""Names `HybridEngine.train_step` gives its loss beside the batch's fields (an extra field may not take them)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,6 +39,15 @@ class PPOBatch:
     """Critic: the values at rollout time (for value clipping)."""
     returns: list[torch.Tensor] | None = None
     """Critic: the regression targets (e.g. from `gae`)."""
+    extra: dict[str, list[torch.Tensor]] | None = None
+    """Further per-target-token tensors for a custom loss (`HybridEngine.train_step`): name -> one 1-D
+    tensor per sequence of len(input_ids[b]) - 1 entries, float (stored fp32, finite everywhere), integer
+    (int64) or bool. A loss reads them as `fields[name]`, padded to [B, T] like every field; a name may
+    not be one of the built-in fields'."""
+    groups: list[int] | None = None
+    """A group id per sequence: the sequences of one group are consecutive and always share a micro-batch
+    (a micro-batch never splits a sequence, nor a group), for losses over several sequences, e.g. the
+    chosen/rejected pairs of DPO. None: each sequence is its own group."""
 
     def __post_init__(self):
         op = "PPOBatch"
@@ -65,6 +77,32 @@ class PPOBatch:
                     raise ValueError(f"{op}.{name}[{b}] must hold real numbers, got {v.dtype}")
                 rows.append(v.to(torch.float32).reshape(-1))
             setattr(self, name, rows)
+        if self.extra is not None:
+            if not isinstance(self.extra, dict):
+                raise ValueError(f"{op}.extra must be a dict of name -> list of per-sequence tensors, got "
+                                 f"{checks.describe(self.extra)}")
+            extra = {}
+            for name, value in self.extra.items():
+                if not isinstance(value, (list, tuple)):
+                    raise ValueError(f"{op}.extra[{name!r}] must be a list of per-sequence tensors, got "
+                                     f"{checks.describe(value)}")
+                rows = []
+                for b, v in enumerate(value):
+                    v = _as_tensor(op, f"extra[{name!r}][{b}]", v)
+                    if v.is_complex():
+                        raise ValueError(f"{op}.extra[{name!r}][{b}] must hold real numbers, got {v.dtype}")
+                    dtype = torch.float32 if v.is_floating_point() else torch.bool if v.dtype == torch.bool \
+                        else torch.int64
+                    rows.append(v.to(dtype).reshape(-1) if v.dim() <= 1 else v)  # a 2-D one is rejected below
+                extra[name] = rows
+            self.extra = extra
+        if self.groups is not None:
+            if isinstance(self.groups, torch.Tensor):
+                self.groups = self.groups.tolist()
+            if not isinstance(self.groups, (list, tuple)):
+                raise ValueError(f"{op}.groups must be a list of one group id per sequence, got "
+                                 f"{checks.describe(self.groups)}")
+            self.groups = list(self.groups)
         self.validate()
 
     def validate(self, vocab_size: int | None = None, *, op: str = "PPOBatch") -> None:
@@ -124,16 +162,73 @@ class PPOBatch:
                 b, t, value = _first(flat, ~torch.isfinite(flat), lengths, 1)
                 raise ValueError(f"{where}{name}[{b}][{t}] is {value}; every entry must be finite, masked "
                                  "positions included")
+        self._validate_extra(where, lengths)
+        self._validate_groups(where, len(ids))
+
+    def _validate_extra(self, where: str, lengths: list[int]) -> None:
+        if self.extra is None:
+            return
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"{where}extra must be a dict of name -> list of per-sequence tensors, got "
+                             f"{checks.describe(self.extra)}")
+        for name, rows in self.extra.items():
+            label = f"extra[{name!r}]"
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"{where}extra has the key {name!r}; names must be identifiers")
+            if name in _FIELDS or name in RESERVED_FIELDS:
+                raise ValueError(f"{where}{label} clashes with a built-in field of the same name; rename it")
+            if not isinstance(rows, (list, tuple)):
+                raise ValueError(f"{where}{label} must be a list of per-sequence tensors, got {checks.describe(rows)}")
+            if len(rows) != len(lengths):
+                raise ValueError(f"{where}{label} has {len(rows)} sequences, input_ids has {len(lengths)}")
+            kinds = set()
+            for b, (v, n) in enumerate(zip(rows, lengths)):
+                if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.is_complex():
+                    raise ValueError(f"{where}{label}[{b}] must be a 1-D tensor (one entry per target token), got "
+                                     f"{checks.describe(v)}")
+                if v.numel() != n - 1:
+                    raise ValueError(f"{where}{label}[{b}] has {v.numel()} entries; expected len(input_ids[{b}]) - 1 "
+                                     f"= {n - 1} (one per target token)")
+                kinds.add(v.dtype)
+            if len(kinds) > 1:
+                raise ValueError(f"{where}{label} mixes dtypes {sorted(map(str, kinds))}; one dtype per field")
+            flat = torch.cat(list(rows))
+            if flat.is_floating_point() and flat.numel():
+                low, high = torch.stack(torch.aminmax(flat.float())).tolist()
+                if not (math.isfinite(low) and math.isfinite(high)):
+                    b, t, value = _first(flat, ~torch.isfinite(flat), lengths, 1)
+                    raise ValueError(f"{where}{label}[{b}][{t}] is {value}; every entry must be finite, masked "
+                                     "positions included")
+
+    def _validate_groups(self, where: str, num: int) -> None:
+        groups = self.groups
+        if groups is None:
+            return
+        if not isinstance(groups, (list, tuple)) or len(groups) != num:
+            raise ValueError(f"{where}groups must hold one group id per sequence ({num}), got "
+                             f"{checks.describe(groups)}")
+        seen = set()
+        for b, g in enumerate(groups):
+            if isinstance(g, bool) or not isinstance(g, int):
+                raise ValueError(f"{where}groups[{b}] must be an int group id, got {g!r}")
+            if b and g != groups[b - 1]:
+                if g in seen:
+                    raise ValueError(f"{where}groups[{b}] = {g} returns to a group seen before: the sequences of "
+                                     "one group must be consecutive")
+                seen.add(groups[b - 1])
 
     @property
     def lengths(self) -> list[int]:
         return [int(t.numel()) for t in self.input_ids]
 
     def padded(self, name: str, rows: list[int], width: int, device) -> torch.Tensor:
-        """Field `name` of sequences `rows` as [len(rows), width] (zero padding)."""
-        out = torch.zeros(len(rows), width, dtype=torch.float32)
+        """Field `name` (a built-in field, or a key of `extra`) of sequences `rows` as [len(rows), width]
+        (zero padding; an extra field keeps its dtype)."""
+        values = self.extra[name] if name not in _FIELDS else getattr(self, name)
+        dtype = torch.float32 if name in _FIELDS else values[0].dtype
+        out = torch.zeros(len(rows), width, dtype=dtype)
         for i, b in enumerate(rows):
-            v = getattr(self, name)[b]
+            v = values[b]
             out[i, :v.numel()] = v
         return out.to(device)
 
@@ -158,37 +253,57 @@ def _as_tensor(op: str, name: str, x) -> torch.Tensor:
         raise ValueError(f"{op}.{name} must be a tensor or a list of numbers, got {checks.describe(x)}") from None
 
 
-def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive groups of sequences of at most max_tokens tokens (a longer sequence goes alone)."""
-    groups, current, tokens = [], [], 0
-    for b, n in enumerate(lengths):
+def micro_batches(lengths: list[int], max_tokens: int, groups: list[int] | None = None) -> list[list[int]]:
+    """Consecutive groups of whole sequences of at most max_tokens tokens (a longer sequence, or group of
+    `groups`, goes alone); a sequence is never split, nor a group."""
+    out, current, tokens = [], [], 0
+    for unit in _units_of(list(range(len(lengths))), groups):
+        n = sum(lengths[b] for b in unit)
         if current and tokens + n > max_tokens:
-            groups.append(current)
+            out.append(current)
             current, tokens = [], 0
-        current.append(b)
+        current.extend(unit)
         tokens += n
-    groups.append(current)
-    return groups
+    out.append(current)
+    return out
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int, group) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], max_tokens: int, group, groups: list[int] | None = None
+                       ) -> list[list[int]]:
     """Micro-batches, the same number on every rank (each one gathers and reduce-scatters every unit,
-    so ranks must agree): a rank with fewer splits its largest groups, then pads with empty ones
-    (an empty micro-batch runs a masked dummy sequence that contributes nothing)."""
-    groups = micro_batches(lengths, max_tokens)
+    so ranks must agree): a rank with fewer splits its largest micro-batches between whole sequences
+    (or whole groups of `groups`), then pads with empty ones (an empty micro-batch runs a masked dummy
+    sequence that contributes nothing)."""
+    out = micro_batches(lengths, max_tokens, groups)
     if group is None or dist.get_world_size(group) == 1:
-        return groups
-    count = torch.tensor([len(groups)], dtype=torch.int64)
+        return out
+    count = torch.tensor([len(out)], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         count = count.cuda()
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     target = int(count.item())
-    while len(groups) < target:
-        splittable = [g for g in groups if len(g) > 1]
+    while len(out) < target:
+        units = {id(m): _units_of(m, groups) for m in out}
+        splittable = [m for m in out if len(units[id(m)]) > 1]
         if not splittable:
-            groups.append([])
+            out.append([])
             continue
-        big = max(splittable, key=lambda g: sum(lengths[b] for b in g))
-        i = groups.index(big)
-        groups[i:i + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
-    return groups
+        big = max(splittable, key=lambda m: sum(lengths[b] for b in m))
+        i = out.index(big)
+        parts = units[id(big)]
+        half = [b for unit in parts[:len(parts) // 2] for b in unit]
+        out[i:i + 1] = [half, big[len(half):]]
+    return out
+
+
+def _units_of(rows: list[int], groups: list[int] | None) -> list[list[int]]:
+    """The runs of `rows` (consecutive sequence indices) that stay together."""
+    if groups is None:
+        return [[b] for b in rows]
+    units = []
+    for b in rows:
+        if units and groups[b] == groups[units[-1][-1]]:
+            units[-1].append(b)
+        else:
+            units.append([b])
+    return units

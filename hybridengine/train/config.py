@@ -1,4 +1,5 @@
-"""The configs of one optimizer step: `PPOConfig` (the policy) and `ValueConfig` (the critic)."""
+"""The configs of one optimizer step: `TrainConfig` (a custom loss), `PPOConfig` (the policy's built-in loss,
+a `TrainConfig`) and `ValueConfig` (the critic)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from hybridengine.ops.ppo_loss import LOSS_AGGS, LossConfig
 LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg",
                "rollout_correction", "rollout_correction_cap")
 """The fields of `PPOConfig` that configure `ppo_loss` (validated by `LossConfig`)."""
+LOSS_SCALES = ("auto", "tokens", "sequences", "global-tokens", "global-sequences", "sum")
+"""How a step weights the loss of each micro-batch (`TrainConfig.loss_scale`)."""
 NONFINITE_GRAD = ("skip", "warn", "raise")
 """What a step does when its gradient norm is NaN or inf (`_StepConfig.nonfinite_grad`)."""
 
@@ -69,7 +72,49 @@ class _StepConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class PPOConfig(_StepConfig):
+class TrainConfig(_StepConfig):
+    """One optimizer step with a loss of the caller's (`HybridEngine.train_step`); `PPOConfig` extends it.
+
+    Normalisation: the loss function sees one micro-batch at a time and returns a scalar L_k; the step
+    backpropagates sum_k c_k * L_k over the micro-batches k of every rank, with c_k set by `loss_scale`:
+
+    - "tokens": c_k = (response tokens of k) / (response tokens of the rank's batch) / world_size. For a
+      loss that is a token mean over its micro-batch, the rank's loss is the token mean over the rank's
+      batch, and ranks are averaged (as `ppo_step` with loss_agg "token-mean").
+    - "sequences": the same with the sequences that have at least one response token (a loss that is a
+      mean over sequences: `ppo_step` with the seq-mean loss_aggs, GSPO, DPO over pairs).
+    - "global-tokens" / "global-sequences": c_k = (tokens or sequences of k) / (those of all ranks): the
+      token (sequence) mean over the whole data-parallel batch, whatever the split across ranks (one
+      all-reduce of two counts per step).
+    - "sum": c_k = 1: the step's loss is the plain sum of the losses returned; the loss normalises itself
+      (with `fields["global_tokens"]` and the like).
+    - "auto" (default): "tokens" when loss_agg is "token-mean", else "sequences": what `ppo_step` does.
+
+    Gradients of the step are then d(sum_k c_k L_k) / d(weights): the all-reduce over ranks sums.
+    """
+
+    temperature: float = 1.0
+    """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
+    loss_scale: str = "auto"
+    """How the micro-batch losses are weighted (one of `LOSS_SCALES`; see the class docstring)."""
+
+    def validate(self) -> None:
+        self._check_train("TrainConfig")
+
+    def _check_train(self, op: str) -> None:
+        self._check_step(op)
+        checks.number(op, "temperature", self.temperature, low=0, low_open=True)
+        checks.one_of(op, "loss_scale", self.loss_scale, LOSS_SCALES)
+
+    def resolved_loss_scale(self) -> str:
+        """`loss_scale` with "auto" resolved by loss_agg."""
+        if self.loss_scale != "auto":
+            return self.loss_scale
+        return "tokens" if self.loss_agg == "token-mean" else "sequences"
+
+
+@dataclass(kw_only=True, slots=True)
+class PPOConfig(TrainConfig):
     """One PPO/GRPO optimizer step (names as in verl where they exist)."""
 
     clip_low: float = 0.2
@@ -90,12 +135,11 @@ class PPOConfig(_StepConfig):
     """The rollout correction's cap (finite, > 1)."""
 
     def validate(self) -> None:
-        self._check_step("PPOConfig")
+        self._check_train("PPOConfig")
         try:  # the loss knobs are validated where the loss defines them
             LossConfig(**{name: getattr(self, name) for name in LOSS_FIELDS})
         except ValueError as e:
             raise ValueError(f"PPOConfig: {e}") from None
-        checks.number("PPOConfig", "temperature", self.temperature, low=0, low_open=True)
 
     def loss_kwargs(self) -> dict:
         """The keyword arguments of `ppo_loss` this config sets."""

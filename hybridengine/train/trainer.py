@@ -31,16 +31,17 @@ from torch.func import functional_call
 from hybridengine import checks
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM, rope_cos_sin
-from hybridengine.ops.ppo_loss import ppo_loss, token_logprobs, value_loss
+from hybridengine.ops.ppo_loss import masked_logprobs, ppo_loss, token_logprobs, value_loss
 from hybridengine.ops.rms_norm import rms_norm_train
 from hybridengine.sharding.switch import ShardedBuffer
 from hybridengine.train.batch import PPOBatch, plan_micro_batches
-from hybridengine.train.config import PPOConfig, ValueConfig
+from hybridengine.train.config import PPOConfig, TrainConfig, ValueConfig
+from hybridengine.train.losses import LossFields, LossFnError
 from hybridengine.train.optimizer import FlatAdamW
 from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - bench.prefill_attention imports it from here
 from hybridengine.train.released_params import ReleasedParams
 
-__all__ = ["PPOBatch", "PPOConfig", "Trainer", "ValueConfig"]  # the batch and configs are re-exported here
+__all__ = ["PPOBatch", "PPOConfig", "TrainConfig", "Trainer", "ValueConfig"]  # the batch and configs are re-exported here
 
 
 class Trainer:
@@ -72,8 +73,8 @@ class Trainer:
         self._replicated_index = [r.nonzero().squeeze(1) for r in self._replicated]
         # Validated before it is kept: a rejected config must not stay behind to fail every later call.
         if optimizer_config is not None:
-            if not isinstance(optimizer_config, (PPOConfig, ValueConfig)):
-                raise ValueError(f"optimizer_config must be a PPOConfig or ValueConfig, got "
+            if not isinstance(optimizer_config, (TrainConfig, ValueConfig)):
+                raise ValueError(f"optimizer_config must be a TrainConfig, PPOConfig or ValueConfig, got "
                                  f"{type(optimizer_config).__name__}")
             optimizer_config.validate()
         self._opt_config = optimizer_config or PPOConfig()
@@ -265,8 +266,8 @@ class Trainer:
 
     # -- public ---------------------------------------------------------------------------------------
 
-    def check(self, op: str, batch, cfg=None, *, temperature: float = 1.0) -> None:
-        """Everything call `op` ('log_probs', 'values', 'ppo_step', 'value_step') validates before its
+    def check(self, op: str, batch, cfg=None, *, temperature: float = 1.0, loss_fn=None) -> None:
+        """Everything call `op` ('log_probs', 'values', 'ppo_step', 'train_step', 'value_step') validates before its
         first collective: the engine's role, the config, the batch (`PPOBatch.validate`). Each call
         runs it first; `HybridEngine` runs it on every rank before the call and agrees on the outcome."""
         if op == "log_probs":
@@ -286,6 +287,16 @@ class Trainer:
             cfg.validate()  # again: a config may have been changed since its construction
             self._check_batch(op, batch, ("response_mask", "old_logprobs", "advantages"))
             cfg.check_batch(batch)  # ref_logprobs for a KL term, rollout_logprobs for a rollout correction
+        elif op == "train_step":
+            if self.critic:
+                raise ValueError("train_step is for the actor; this engine is a critic (use value_step)")
+            if not isinstance(cfg, TrainConfig):
+                raise ValueError(f"train_step: config must be a TrainConfig (or PPOConfig), got {type(cfg).__name__}")
+            if not callable(loss_fn):
+                raise ValueError(f"train_step: loss_fn must be a callable (logp, entropy, fields) -> scalar, got "
+                                 f"{type(loss_fn).__name__}")
+            cfg.validate()
+            self._check_batch(op, batch)
         elif op == "value_step":
             if not self.critic:
                 raise ValueError("value_step needs a critic engine (HybridEngine(..., role='critic'))")
@@ -294,7 +305,7 @@ class Trainer:
             cfg.validate()
             self._check_batch(op, batch, ("response_mask", "old_values", "returns"))
         else:
-            raise ValueError(f"op must be 'log_probs', 'values', 'ppo_step' or 'value_step', got {op!r}")
+            raise ValueError(f"op must be 'log_probs', 'values', 'ppo_step', 'train_step' or 'value_step', got {op!r}")
 
     def _scoring_passes(self, batch: PPOBatch, micro_batch_tokens: int):
         """Per micro-batch of a no-grad forward: (rows, final-normed hidden [tokens, H], head weight,
@@ -350,6 +361,106 @@ class Trainer:
 
         return self._step(batch, cfg, head_loss)
 
+    def train_step(self, batch: PPOBatch, loss_fn, cfg: TrainConfig, *, checked: bool = False) -> dict:
+        """One optimizer step of the policy with `loss_fn(logp, entropy, fields) -> scalar` (or (scalar,
+        metrics)) on this rank's batch, through `masked_logprobs` (the fused LM-head pass): the same
+        micro-batching, loss weighting (`TrainConfig.loss_scale`), data-parallel reduction, clipping and
+        optimizer as `ppo_step`, whose fused `ppo_loss` takes the place of the two. `hybridengine.train.
+        losses` describes `fields`. A loss that raises or returns a non-scalar or non-finite value raises
+        `LossFnError` on every rank before the optimizer step. `checked`: as in `log_probs`."""
+        if not checked:
+            self.check("train_step", batch, cfg, loss_fn=loss_fn)
+        counts = self._loss_counts(batch)
+
+        def head_loss(h, head_w, rows, cu):
+            hidden = self._unpack(h, cu)
+            fields = self._loss_fields(batch, rows, hidden.shape[1], counts)
+            logp, entropy = masked_logprobs(hidden, head_w, fields["targets"], fields["mask"],
+                                            temperature=cfg.temperature, exact=self.exact)
+            return self._call_loss(loss_fn, logp, entropy, fields, bool(rows))
+
+        return self._step(batch, cfg, head_loss, counts=counts, op="train_step")
+
+    def _loss_counts(self, batch: PPOBatch) -> dict[str, int]:
+        """Response tokens and live sequences of this rank's batch and of all ranks (one all-reduce)."""
+        tokens = self._token_counts(batch)
+        mine = [int(sum(tokens)), sum(c > 0 for c in tokens)]
+        total = torch.tensor(mine, dtype=torch.int64)
+        if not self.sharded.local and self.sharded.world_size > 1:
+            total = total.to(self.device)
+            dist.all_reduce(total, group=self.sharded.group)
+        total = total.tolist()
+        return dict(num_tokens=mine[0], num_sequences=mine[1], global_tokens=total[0], global_sequences=total[1])
+
+    @staticmethod
+    def _token_counts(batch: PPOBatch) -> list[float]:
+        """Response tokens per sequence (every target token without a response_mask)."""
+        if batch.response_mask is None:
+            return [float(n - 1) for n in batch.lengths]
+        return [float(m.sum()) for m in batch.response_mask]
+
+    def _loss_fields(self, batch: PPOBatch, rows: list[int], width: int, counts: dict[str, int]) -> LossFields:
+        """What a loss function gets beside logp and entropy (see `hybridengine.train.losses`)."""
+        names = [n for n in ("response_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs",
+                             "old_values", "returns") if getattr(batch, n) is not None]
+        fields = LossFields(self._fields(batch, rows, width, names))
+        for name, values in (batch.extra or {}).items():
+            fields[name] = (batch.padded(name, rows, width, self.device) if rows else
+                            torch.zeros(1, width, dtype=values[0].dtype, device=self.device))
+        n = torch.tensor([len(batch.input_ids[b]) - 1 for b in rows] or [0])
+        valid = (torch.arange(width)[None, :] < n[:, None]).to(self.device)
+        fields["valid"] = valid
+        fields["mask"] = fields["response_mask"] != 0 if "response_mask" in fields else valid
+        fields["targets"] = (self._targets(batch, rows, width) if rows else
+                             torch.zeros(1, width, dtype=torch.long, device=self.device))
+        fields["seq_index"] = torch.tensor(rows or [-1], device=self.device)[:, None].expand(-1, width)
+        fields.update(counts)
+        return fields
+
+    def _call_loss(self, loss_fn, logp, entropy, fields, live: bool):
+        """(loss, metrics) of loss_fn, checked (a scalar float tensor, finite) and agreed over the ranks: a
+        failure on any rank raises LossFnError on every rank (one flag all-reduce and host read per
+        micro-batch). The dummy row of an empty micro-batch skips the loss (a zero with the graph)."""
+        if not live:
+            return (logp * 0).sum() + (entropy * 0).sum(), {}
+        error, loss, metrics = None, None, {}
+        try:
+            out = loss_fn(logp, entropy, fields)
+            loss, metrics = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+                raise LossFnError(f"train_step: loss_fn must return a 0-dim float tensor (or (loss, metrics)), got "
+                                  f"{_describe_loss(out)}")
+            if not loss.requires_grad:
+                raise LossFnError("train_step: loss_fn returned a loss that does not depend on logp or entropy "
+                                  "(no gradient): nothing to train")
+            if not isinstance(metrics, dict):
+                raise LossFnError(f"train_step: loss_fn's metrics must be a dict of scalars, got "
+                                  f"{type(metrics).__name__}")
+            metrics = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+            for k, v in metrics.items():
+                if not isinstance(v, (int, float)) and not (isinstance(v, torch.Tensor) and v.numel() == 1):
+                    raise LossFnError(f"train_step: loss_fn's metric {k!r} must be a scalar, got {_describe_loss(v)}")
+        except LossFnError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - any failure of the user's function is reported alike
+            error = LossFnError(f"train_step: loss_fn raised {type(e).__name__}: {e}")
+            error.__cause__ = e
+        status = (torch.ones((), device=self.device) if error is not None
+                  else (~torch.isfinite(loss.detach())).to(torch.float32) * 2)
+        if not self.sharded.local and self.sharded.world_size > 1:
+            status = status.reshape(1).to(self.device)
+            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.sharded.group)
+        failed = float(status.max())
+        if error is not None:
+            raise error
+        if failed == 2 and not torch.isfinite(loss.detach()):
+            raise LossFnError(f"train_step: loss_fn returned a non-finite loss ({float(loss.detach())}) on rank "
+                              f"{self.sharded.rank}; nothing was updated")
+        if failed:
+            raise LossFnError("train_step: loss_fn failed on another rank (its error names the cause); nothing was "
+                              "updated")
+        return loss, metrics
+
     def value_step(self, batch: PPOBatch, cfg: ValueConfig, *, checked: bool = False) -> dict:
         """One optimizer step of the critic (`value_loss`) on this rank's batch. `checked`: as in `log_probs`."""
         if not checked:
@@ -378,7 +489,7 @@ class Trainer:
                 out[name] = torch.zeros(1, width, device=self.device)
         return out
 
-    def _step(self, batch: PPOBatch, cfg, head_loss) -> dict:
+    def _step(self, batch: PPOBatch, cfg, head_loss, *, counts: dict | None = None, op: str | None = None) -> dict:
         t0 = time.perf_counter()
         self.sharded.clear_prefetch()
         self._finish_reduces()  # one left in flight by a step that raised: its shard is rewritten below
@@ -390,19 +501,18 @@ class Trainer:
         self._fresh = set(range(len(self.layout.units)))
         if self._grads is None:
             self._grads = [None] * len(self.layout.units)
-        groups = plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group)
-        # The loss is aggregated over the whole rank batch: weight each micro-batch by its share.
-        mask_counts = [float(m.sum()) for m in batch.response_mask]
-        if cfg.loss_agg == "token-mean":
-            share = [sum(mask_counts[b] for b in rows) / max(sum(mask_counts), 1.0) for rows in groups]
-        else:
-            live = [c > 0 for c in mask_counts]
-            share = [sum(live[b] for b in rows) / max(sum(live), 1) for rows in groups]
+        groups = plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group, batch.groups)
+        share, scale = self._loss_weights(batch, groups, cfg, counts)
         totals: dict[str, float] = {}
-        for rows, w in zip(groups, share):
-            stats = self._micro_step(batch, rows, w, head_loss, cfg.activation_checkpointing)
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + w * v
+        try:
+            for rows, w, c in zip(groups, share, scale):
+                stats = self._micro_step(batch, rows, c, head_loss, cfg.activation_checkpointing)
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + w * v
+        except LossFnError:  # every rank raises it here, before the optimizer: drop the step's partial gradients
+            self._finish_reduces()
+            self._grads, self._fresh = None, set()
+            raise
         for u in self._fresh:  # a unit no micro-batch reduced: zero gradient
             self._grads[u] = self._new_grad(u).zero_()
         grad_norm = self._clip_and_step(cfg)
@@ -419,13 +529,37 @@ class Trainer:
         totals.update(grad_norm=grad_norm, lr=lr, step=step, skipped=int(skipped),
                       skipped_steps=self.num_skipped_steps, micro_batches=len(groups), step_s=time.perf_counter() - t0)
         if skipped and cfg.nonfinite_grad != "skip":
-            op = "ppo_step" if isinstance(cfg, PPOConfig) else "value_step"
+            op = op or ("ppo_step" if isinstance(cfg, PPOConfig) else "value_step")
             message = (f"{op}: the gradient norm is {grad_norm}; the update was skipped (weights and optimizer "
                        f"state unchanged, {self.num_skipped_steps} step(s) skipped so far)")
             if cfg.nonfinite_grad == "raise":
                 raise FloatingPointError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return totals
+
+    def _loss_weights(self, batch: PPOBatch, groups: list[list[int]], cfg, counts: dict | None
+                      ) -> tuple[list[float], list[float]]:
+        """Per micro-batch: its share of the rank's loss (the stats' weights) and the coefficient of its loss
+        in the backward (`TrainConfig.loss_scale`; ValueConfig: by loss_agg)."""
+        mode = cfg.resolved_loss_scale() if isinstance(cfg, TrainConfig) else \
+            "tokens" if cfg.loss_agg == "token-mean" else "sequences"
+        mask_counts = self._token_counts(batch)
+        live = [c > 0 for c in mask_counts]
+        if mode in ("tokens", "global-tokens"):
+            share = [sum(mask_counts[b] for b in rows) / max(sum(mask_counts), 1.0) for rows in groups]
+        else:
+            share = [sum(live[b] for b in rows) / max(sum(live), 1) for rows in groups]
+        if mode == "sum":
+            return [1.0] * len(groups), [1.0] * len(groups)
+        if mode in ("global-tokens", "global-sequences"):
+            counts = counts or self._loss_counts(batch)
+            if mode == "global-tokens":
+                total = max(counts["global_tokens"], 1)
+                return share, [sum(mask_counts[b] for b in rows) / total for rows in groups]
+            total = max(counts["global_sequences"], 1)
+            return share, [sum(live[b] for b in rows) / total for rows in groups]
+        # Data parallel: the global loss is the mean of the ranks' losses.
+        return share, [w / self.sharded.world_size for w in share]
 
     def _micro_step(self, batch: PPOBatch, rows: list[int], weight: float, head_loss, recompute: bool) -> dict:
         ids, cos, sin, attn, cu, id_index = self._pack_inputs(batch, rows, embedding_rows=True)
@@ -443,8 +577,7 @@ class Trainer:
         head_w = self.layout.natural_view(head_src, self.head_name).detach().requires_grad_(True)
         x = x_last.detach().requires_grad_(True)
         loss, metrics = head_loss(self._norm(norm_w, x), head_w, rows, cu)
-        # Data parallel: the global loss is the mean of the ranks' losses.
-        (loss * (weight / self.sharded.world_size)).backward()
+        (loss * weight).backward()  # weight: the micro-batch's coefficient in the step's loss (`_loss_weights`)
         grad_x = x.grad
         # The head's gradients are reduced after the layers' backward, not now: now every layer's
         # activations are alive, and the reduce's fp32 unit buffers (2 x V x H x 4 bytes with the
@@ -569,6 +702,14 @@ class Trainer:
         opt.lr, opt.betas, opt.eps, opt.weight_decay = cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay
         opt.step(self.grads, grad_scale=scale)
         return norm
+
+
+def _describe_loss(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {list(x.shape)}"
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)}: ({', '.join(_describe_loss(v) for v in x)})"
+    return f"{type(x).__name__} {x!r}"[:200]
 
 
 def add_embedding_grad_(embed_grad: torch.Tensor, distinct: torch.Tensor, inverse: torch.Tensor,
