@@ -23,7 +23,7 @@ RESULTS = REPO / "bench" / "results" / "results.jsonl"
 FIELDS = ("run_id", "time", "commit", "gpu", "num_gpus", "torch", "bench", "provider", "model", "case",
           "metric", "value", "p20", "p80", "versions")
 METRICS = ("seconds", "tokens_per_s", "GB_per_s", "busbw_GB_per_s", "TFLOP_per_s", "peak_GiB", "nats", "fraction",
-           "not_run")
+           "GiB", "tokens", "not_run")
 MiB = 2**20
 GiB = 2**30
 

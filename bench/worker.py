@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import e2e, exact, floors, generate, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train
+from . import e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train
 from .common import Ctx, Recorder, release_memory
 
 BENCHES = {
@@ -43,6 +43,9 @@ BENCHES = {
     "ppo_e2e": e2e.ppo_e2e,
     "ppo_e2e_deepspeed": e2e.ppo_e2e_deepspeed,
     "exact": exact.exact,
+    "offload_rollout": offload.offload_rollout,
+    "offload_optimizer": offload.offload_optimizer,
+    "offload_deepspeed": offload.offload_deepspeed,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
 # Each suite is sized to finish in under 10 minutes on 2 x H200 with one model (pass --model per run for the peers).
@@ -70,8 +73,14 @@ SUITES: dict[str, list[str]] = {
     "train_peers": ["gemm", "train_step", "fsdp2_train", "deepspeed_train"],  # DeepSpeed last (zero.Init)
     "ppo_e2e": ["ppo_e2e", "ppo_e2e_deepspeed"],  # DeepSpeed last (zero.Init)
     "exact": ["exact"],
+    # issue 25 (optimizer-state offload), Qwen2-7B on 1 GPU; each part alone fits a 10-minute call
+    "offload": ["offload_rollout", "offload_optimizer", "offload_deepspeed"],  # DeepSpeed last (zero.Init)
+    "offload_rollout": ["offload_rollout"],
+    "offload_optimizer": ["offload_optimizer"],
+    "offload_deepspeed": ["offload_deepspeed"],
 }
-DEFAULT_MODELS = {"smoke": ["tiny-qwen2"]}
+DEFAULT_MODELS = {"smoke": ["tiny-qwen2"], **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer",
+                                                                       "offload_deepspeed")}}
 
 
 def run(suite: str, *, models: list[str], scale: float, out: Path, run_id: str, cpu: bool) -> None:

@@ -1,0 +1,350 @@
+"""Optimizer-state offload (`EngineConfig.offload`, issue 25), bench `offload`. Default model: Qwen2-7B shapes.
+
+`offload_rollout` (one engine, offload='rollout'; 'none' is the same engine with the offload switched
+off in its config, so both see the same weights, optimizer state and allocator):
+- part kv_capacity: the KV cache `rollout()` sizes after a `ppo_step` (the optimizer state exists),
+  offload 'rollout' against 'none': GiB and tokens, `memory_report()` inside the rollout (rows with
+  case source memory_report), the time the rollout's entry waited for the copies out (offload_wait).
+- part grpo_step: bench ppo_e2e's workload (32 prompts x 4 samples x 256 new tokens per GPU, log-probs,
+  one update) with each setting: seconds per step and per phase, tokens/s; the transfers' share of
+  the step is (step 'rollout' - step 'none') / step 'none'.
+- part big_rollout: ROLLOUT (HE_BENCH_OFFLOAD_ROLLOUT, default 512x2048: sequences x new tokens, 128-token
+  prompts) with offload 'rollout', against the largest batch whose KV fits the 'none' cache (no
+  preemption) with offload 'none': generate seconds, response tokens/s, preempted sequences.
+
+`offload_optimizer` (engines with offload 'none' and 'optimizer'): the most tokens per micro-batch a
+training step takes without activation checkpointing (sequences of SEQ tokens, one micro-batch;
+TOKEN_LADDER doubling up to the first out-of-memory, then halfway steps), and tokens/s at each
+count that ran: rows `tokens` (the most that ran) and `tokens_per_s` / `seconds` per count.
+
+`offload_deepspeed`: DeepSpeed ZeRO-3 with `offload_optimizer: cpu` (its CPU Adam, pinned host memory)
+on the same ladder of micro-batches (HF forward with labels: full logits), most tokens and tokens/s.
+GPU only. Mind the host: ZeRO-Offload keeps 16 B per parameter there (fp32 master, moments, grads).
+
+CPU (the harness check): tiny-qwen2, a tiny workload and a short ladder; the CPU KV cache is sized
+without looking at free memory, so kv_capacity is the same for both settings there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from .common import Ctx, quantiles, release_memory
+from .e2e import CPU_E2E, GPU_E2E, E2EWork
+
+BENCH = "offload"
+ROLLOUT = os.environ.get("HE_BENCH_OFFLOAD_ROLLOUT", "512x2048")
+"""The big rollout: sequences x new tokens per GPU (scale it down, e.g. 128x1024, for a quick pass)."""
+PROMPT = 128
+SEQ = 1024
+"""Tokens per training sequence in the micro-batch ladder."""
+KV_SEQS = 1024
+"""max_num_seqs while the KV capacity is measured: with max_model_len 4096 the cap on the cache (what
+running sequences can hold, 240 GB at 7B) does not bind, so the cache gets what memory leaves."""
+TOKEN_LADDER = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+CPU_LADDER = (32, 64)
+
+
+def _engine(ctx: Ctx, model: str, offload: str, **overrides):
+    import hybridengine as he
+
+    cfg = dict(dtype=torch.bfloat16 if ctx.cuda else torch.float32, device=str(ctx.device), offload=offload,
+               gpu_memory_utilization=0.9)
+    cfg.update(overrides)
+    return he.HybridEngine(he.model_config(model), he.EngineConfig(**cfg))
+
+
+def _batch(vocab: int, lengths: list[int], seed: int):
+    import hybridengine as he
+
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    return he.PPOBatch(input_ids=ids, response_mask=[torch.ones(n - 1) for n in lengths],
+                       old_logprobs=[-5 + 0.1 * torch.randn(n - 1, generator=g) for n in lengths],
+                       advantages=[torch.randn(n - 1, generator=g) for n in lengths])
+
+
+def _models(ctx: Ctx) -> list[str]:
+    return ctx.models if ctx.cuda else ["tiny-qwen2"]
+
+
+# -- rollout: KV capacity, the GRPO step, a rollout that needs the memory -----------------------------
+
+def offload_rollout(ctx: Ctx) -> None:
+    import hybridengine as he
+
+    w: E2EWork = GPU_E2E if ctx.cuda else CPU_E2E
+    seqs, new_tokens = (int(x) for x in ROLLOUT.lower().split("x")) if ctx.cuda else (8, 8)
+    for model in _models(ctx):
+        engine = _engine(ctx, model, "rollout", max_num_seqs=KV_SEQS if ctx.cuda else 16,
+                         max_model_len=max(4096 if ctx.cuda else 64, PROMPT + new_tokens, w.prompt + w.new_tokens))
+        vocab = engine.vocab_size
+        ppo = he.PPOConfig(lr=1e-6, clip_low=0.2, clip_high=0.28, micro_batch_tokens=16384)
+        engine.ppo_step(_batch(vocab, [w.prompt + w.new_tokens] * 4, 1 + ctx.rank), ppo)  # the state exists
+        capacity = {}
+        for mode in ("none", "rollout"):
+            engine.config.offload = mode
+            release_memory()
+            ctx.sync()
+            with engine.rollout():
+                report = engine.memory_report()
+                stats = dict(engine.stats)
+            engine.trainer.optimizer.state_location()  # (`trainer`: a training call's hook brings the state back)
+            case = dict(part="kv_capacity", offload=mode)
+            capacity[mode] = stats["kv_blocks"] * engine.config.block_size
+            ctx.rec.add(BENCH, "hybridengine", model, case, "GiB", ctx.slowest([stats["kv_cache_GiB"]])[0])
+            ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "kv_tokens"}, "tokens",
+                        float(-ctx.slowest([-capacity[mode]])[0]))  # the smallest rank's
+            for key, value in report.items():
+                ctx.rec.add(BENCH, "hybridengine", model, {**case, "source": "memory_report", "key": key}, "GiB",
+                            float(value))
+            if mode == "rollout":
+                ctx.rec.add(BENCH, "hybridengine", model, {**case, "phase": "offload_wait"}, "seconds",
+                            ctx.slowest([stats.get("offload_wait_s", 0.0)])[0])
+            ctx.log(f"  {BENCH} kv_capacity {model} offload={mode}: KV {stats['kv_cache_GiB']:.1f} GiB "
+                    f"({capacity[mode]:,} tokens), optimizer on device {report['optimizer']:.1f} GiB, host "
+                    f"{report['host_optimizer']:.1f} GiB")
+        ctx.log(f"  {BENCH} kv_capacity {model}: rollout/none = {capacity['rollout'] / capacity['none']:.2f}x")
+        _grpo_steps(ctx, engine, model, w, ppo)
+        _big_rollout(ctx, engine, model, seqs, new_tokens, capacity["none"])
+        del engine
+        release_memory()
+
+
+def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
+    """bench ppo_e2e's step with each offload setting (the same engine)."""
+    import hybridengine as he
+    from hybridengine.train.advantages import grpo_advantages
+
+    from .e2e import _rewards
+
+    g = torch.Generator().manual_seed(7 + ctx.rank)
+    prompts = torch.randint(0, engine.vocab_size, (w.prompts, w.prompt), generator=g).tolist()
+    params = he.SamplingParams(n=w.n, temperature=1.0, max_tokens=w.new_tokens)
+    max_num_seqs = engine.config.max_num_seqs
+    engine.config.max_num_seqs = w.prompts * w.n
+
+    def step(index: int) -> dict[str, float]:
+        t = {}
+        ctx.sync()
+        t0 = time.perf_counter()
+        with engine.rollout():
+            t["enter"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            ctx.sync()
+            t["generate"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+        ctx.sync()
+        t["exit"] = time.perf_counter() - t2
+        seqs = [(o.prompt_token_ids, s.token_ids) for o in outs for s in o.outputs]
+        ids = [torch.tensor(p + r) for p, r in seqs]
+        mask = [torch.tensor([0.0] * (len(p) - 1) + [1.0] * len(r)) for p, r in seqs]
+        adv = grpo_advantages(_rewards(len(seqs), index, ctx.rank), w.n)
+        t3 = time.perf_counter()
+        old = engine.log_probs(he.PPOBatch(input_ids=ids))
+        ctx.sync()
+        t["log_probs"] = time.perf_counter() - t3
+        old = [old[b, :len(ids[b]) - 1].float().cpu() for b in range(len(ids))]
+        batch = he.PPOBatch(input_ids=ids, response_mask=mask, old_logprobs=old,
+                            advantages=[a * m for a, m in zip(adv.tolist(), mask)])
+        t4 = time.perf_counter()
+        engine.ppo_step(batch, ppo)
+        ctx.sync()
+        t["update"] = time.perf_counter() - t4
+        return dict(zip(t, ctx.slowest(list(t.values()))))
+
+    medians = {}
+    for mode in ("none", "rollout"):
+        engine.config.offload = mode
+        step(0)  # warm-up: this setting's first transfer, CUDA graphs of the batch
+        with ctx.peak() as pm:
+            steps = [step(i) for i in range(1, 1 + ctx.reps(3))]
+        case = dict(part="grpo_step", offload=mode, prompts_per_gpu=w.prompts, prompt=w.prompt, samples=w.n,
+                    new_tokens=w.new_tokens)
+        totals = [sum(s.values()) for s in steps]
+        tokens = ctx.world * w.prompts * w.n * (w.prompt + w.new_tokens)
+        ctx.rec.add(BENCH, "hybridengine", model, case, "seconds", totals)
+        ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "all"}, "tokens_per_s", [tokens / t for t in totals])
+        for phase in steps[0]:
+            ctx.rec.add(BENCH, "hybridengine", model, {**case, "phase": phase}, "seconds", [s[phase] for s in steps])
+        ctx.record_peak(pm, BENCH, "hybridengine", model, case)
+        medians[mode] = quantiles(totals)[1]
+        split = ", ".join(f"{p} {quantiles([s[p] for s in steps])[1]:.3g} s" for p in steps[0])
+        ctx.log(f"  {BENCH} grpo_step {model} offload={mode}: {medians[mode]:.2f} s ({split})")
+    overhead = medians["rollout"] / medians["none"] - 1
+    ctx.log(f"  {BENCH} grpo_step {model}: offload adds {overhead:+.1%} to the step")
+    engine.config.max_num_seqs = max_num_seqs
+
+
+def _big_rollout(ctx: Ctx, engine, model: str, seqs: int, new_tokens: int, none_tokens: int) -> None:
+    """ROLLOUT with offload 'rollout' against the largest batch the 'none' cache holds whole."""
+    import hybridengine as he
+
+    fits = max(1, none_tokens // (PROMPT + new_tokens + engine.config.block_size))
+    g = torch.Generator().manual_seed(11 + ctx.rank)
+    for mode, batch in (("none", min(fits, seqs)), ("rollout", seqs)):
+        engine.config.offload = mode
+        engine.config.max_num_seqs = batch
+        prompts = torch.randint(0, engine.vocab_size, (batch, PROMPT), generator=g).tolist()
+        params = he.SamplingParams(temperature=1.0, max_tokens=new_tokens)  # no stop tokens: every one runs out
+
+        def run():
+            with engine.rollout():
+                t0 = time.perf_counter()
+                outs = engine.generate(prompts, params)
+                ctx.sync()
+                elapsed = time.perf_counter() - t0
+                stats = dict(engine.stats)
+            engine.trainer  # noqa: B018 - a training call's hook: the state comes back
+            return elapsed, sum(len(s.token_ids) for o in outs for s in o.outputs), stats
+
+        with ctx.peak() as pm:
+            runs = [run() for _ in range(ctx.reps(1))]
+        times = ctx.slowest([r[0] for r in runs])
+        tokens = runs[0][1]
+        case = dict(part="big_rollout", offload=mode, seqs_per_gpu=batch, prompt=PROMPT, new_tokens=new_tokens,
+                    kv_GiB=round(runs[0][2]["kv_cache_GiB"], 2))
+        ctx.rec.add(BENCH, "hybridengine", model, case, "seconds", times)
+        ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "response"}, "tokens_per_s",
+                    [ctx.world * tokens / t for t in times])
+        ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "preemptions"}, "tokens",
+                    float(runs[0][2].get("preemptions", 0)))
+        ctx.record_peak(pm, BENCH, "hybridengine", model, case)
+        ctx.log(f"  {BENCH} big_rollout {model} offload={mode}: {batch} x {new_tokens} in {quantiles(times)[1]:.1f} s, "
+                f"{ctx.world * tokens / quantiles(times)[1]:,.0f} tok/s (KV {runs[0][2]['kv_cache_GiB']:.1f} GiB)")
+
+
+# -- optimizer offload: the largest micro-batch a step takes -------------------------------------------
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _ladder(ctx: Ctx, try_step) -> tuple[int, dict[int, list[float]]]:
+    """Doubling token counts until the first failure for memory, then the halfway counts below it:
+    (the most tokens that ran, {tokens: seconds per step})."""
+    ladder = TOKEN_LADDER if ctx.cuda else CPU_LADDER
+    ran: dict[int, list[float]] = {}
+    failed = None
+    for tokens in ladder:
+        times = try_step(tokens)
+        if times is None:
+            failed = tokens
+            break
+        ran[tokens] = times
+    if failed is not None and ran:  # bisect twice between the last that ran and the first that did not
+        low, high = max(ran), failed
+        for _ in range(2):
+            mid = (low + high) // 2 // SEQ * SEQ
+            if mid in (low, high):
+                break
+            times = try_step(mid)
+            if times is None:
+                high = mid
+            else:
+                ran[mid], low = times, mid
+    return (max(ran) if ran else 0), ran
+
+
+def offload_optimizer(ctx: Ctx) -> None:
+    import hybridengine as he
+
+    seq = SEQ if ctx.cuda else 16
+    for model in _models(ctx):
+        most = {}
+        for mode in ("none", "optimizer"):
+            engine = _engine(ctx, model, mode)
+            vocab = engine.vocab_size
+
+            def try_step(tokens: int):
+                batch = _batch(vocab, [seq] * (tokens // seq), 3 + ctx.rank)
+                ppo = he.PPOConfig(lr=1e-6, max_grad_norm=1.0, micro_batch_tokens=tokens,
+                                   activation_checkpointing=False)
+                try:
+                    return ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=1, repeats=3,
+                                       desc=f"offload {mode} {tokens}")
+                except Exception as err:  # noqa: BLE001 - out of memory ends the ladder; anything else is a failure
+                    if not _is_oom(err):
+                        raise
+                    ctx.log(f"  {BENCH} optimizer {model} offload={mode}: {tokens} tokens out of memory")
+                    return None
+                finally:
+                    del batch
+                    release_memory()
+
+            most[mode], ran = _ladder(ctx, try_step)
+            case = dict(part="max_micro_batch", offload=mode, seq=seq, activation_checkpointing=False)
+            ctx.rec.add(BENCH, "hybridengine", model, case, "tokens", float(most[mode]))
+            for tokens, times in sorted(ran.items()):
+                c = {**case, "tokens_per_gpu": tokens}
+                ctx.rec.add(BENCH, "hybridengine", model, c, "seconds", times)
+                ctx.rec.add(BENCH, "hybridengine", model, c, "tokens_per_s", [ctx.world * tokens / t for t in times])
+                ctx.log(f"  {BENCH} optimizer {model} offload={mode} {tokens} tokens: {quantiles(times)[1]:.2f} s, "
+                        f"{ctx.world * tokens / quantiles(times)[1]:,.0f} tok/s")
+            report = engine.memory_report()
+            for key in ("optimizer", "host_optimizer", "host_pinned_total"):
+                ctx.rec.add(BENCH, "hybridengine", model, {**case, "source": "memory_report", "key": key}, "GiB",
+                            float(report[key]))
+            del engine
+            release_memory()
+        if most["none"]:
+            ctx.log(f"  {BENCH} optimizer {model}: most tokens optimizer/none = {most['optimizer'] / most['none']:.2f}x")
+
+
+def offload_deepspeed(ctx: Ctx) -> None:
+    """DeepSpeed ZeRO-3 with offload_optimizer: cpu on the micro-batch ladder (GPU only)."""
+    if not ctx.cuda:
+        ctx.rec.not_run(BENCH, "deepspeed_zero3_offload", None, "GPU only")
+        return
+    from .peers import _ds_engine, import_deepspeed
+
+    if import_deepspeed(ctx, BENCH) is None:
+        return
+    for name in ctx.models:
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-6}},  # DeepSpeedCPUAdam with the offload
+            "gradient_clipping": 1.0,
+            "steps_per_print": 1 << 30,
+        }
+        engine, model, params, numel = _ds_engine(ctx, name, config)
+        vocab = model.config.vocab_size
+
+        def try_step(tokens: int):
+            g = torch.Generator().manual_seed(3 + ctx.rank)
+            ids = torch.randint(0, vocab, (tokens // SEQ, SEQ), generator=g).to(ctx.device)
+
+            def step():
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.step()
+
+            try:
+                return ctx.measure(step, warmup=1, repeats=3, desc=f"zero3 offload {tokens}")
+            except Exception as err:  # noqa: BLE001
+                if not _is_oom(err):
+                    raise
+                return None
+            finally:
+                del ids
+                release_memory()
+
+        most, ran = _ladder(ctx, try_step)
+        case = dict(part="max_micro_batch", offload="optimizer (ZeRO-Offload, cpu)", seq=SEQ,
+                    activation_checkpointing=False, params=numel)
+        ctx.rec.add(BENCH, "deepspeed_zero3_offload", name, case, "tokens", float(most))
+        for tokens, times in sorted(ran.items()):
+            c = {**case, "tokens_per_gpu": tokens}
+            ctx.rec.add(BENCH, "deepspeed_zero3_offload", name, c, "seconds", times)
+            ctx.rec.add(BENCH, "deepspeed_zero3_offload", name, c, "tokens_per_s",
+                        [ctx.world * tokens / t for t in times])
+            ctx.log(f"  {BENCH} deepspeed offload {name} {tokens} tokens: {quantiles(times)[1]:.2f} s")
+        engine.destroy()
+        del engine, model, params
+        release_memory()
