@@ -109,7 +109,8 @@ class HostBuffer:
                 raise OffloadError(f"rank {rank}: cannot pin {total / gib:.3f} GiB of host memory for the optimizer "
                                    f"state (cudaHostRegister: cudaError {err}); lower the locked-memory use or "
                                    "use offload='none'")
-            weakref.finalize(self, _release_host, data, True, device)
+            # Not at interpreter exit: the driver may be gone by then, and the process's pages go with it.
+            weakref.finalize(self, _release_host, data, True, device).atexit = False
         self.data, self.nbytes = data, total
         self.views = {key: data[o:o + n * torch.empty((), dtype=dt).element_size()].view(dt)
                       for key, (o, n, dt) in offsets.items()}
@@ -275,7 +276,10 @@ class StateOffload:
                 for k in kinds:
                     copy_chunk(slot[k][:b - a], lists[k][i][a:b], False)
                 return
-            h2d.wait_stream(compute) if c < len(slots) else h2d.wait_event(written.pop(c - len(slots)))
+            if c < len(slots):
+                h2d.wait_stream(compute)  # the slots' allocation
+            else:
+                h2d.wait_event(written.pop(c - len(slots)))  # the slot's previous chunk is back in host memory
             with torch.cuda.stream(h2d):
                 for k in kinds:
                     copy_chunk(slot[k][:b - a], lists[k][i][a:b], True)
