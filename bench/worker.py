@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train
+from . import e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train, trl
 from .common import Ctx, Recorder, release_memory
 
 BENCHES = {
@@ -46,6 +46,7 @@ BENCHES = {
     "offload_rollout": offload.offload_rollout,
     "offload_optimizer": offload.offload_optimizer,
     "offload_deepspeed": offload.offload_deepspeed,
+    "trl": trl.trl_grpo,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
 # Each suite is sized to finish in under 10 minutes on 2 x H200 with one model (pass --model per run for the peers).
@@ -78,6 +79,8 @@ SUITES: dict[str, list[str]] = {
     "offload_rollout": ["offload_rollout"],
     "offload_optimizer": ["offload_optimizer"],
     "offload_deepspeed": ["offload_deepspeed"],
+    # issue 26: HybridGRPOTrainer against TRL's GRPOTrainer (needs TRL: bench/trl.py)
+    "trl": ["trl"],
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"], **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer",
                                                                        "offload_deepspeed")}}

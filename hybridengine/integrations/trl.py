@@ -381,6 +381,14 @@ class HybridGRPOTrainer(GRPOTrainer):
         self.loss_config = GRPOLossConfig.from_args(args, is_correction=self._is_correction)
         # The engine clips; the Trainer's clip over the shell's empty parameters would log a norm of 0.
         self.args.max_grad_norm = 0.0
+        # The engine is the data parallelism: the shell is never wrapped (Accelerate wraps a module in DDP
+        # under a CPU process group even when no parameter trains, and DDP refuses such a module).
+        prepare_model = self.accelerator.prepare_model
+
+        def prepare_shell(model, *args, **kwargs):
+            return model if model is self.model else prepare_model(model, *args, **kwargs)
+
+        self.accelerator.prepare_model = prepare_shell
 
     # -- rollout --------------------------------------------------------------------------------------
 
