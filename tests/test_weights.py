@@ -13,6 +13,7 @@ import hybridengine as he
 from hybridengine.sharding import checkpoint
 
 from _dist import reporting, spawn
+from test_checkpoint import batch  # three sequences of a PPO batch, seeded by step and rank
 
 GREEDY = he.SamplingParams(n=2, temperature=0.0, max_tokens=6)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 11, 12]]  # shared prefixes
@@ -25,7 +26,7 @@ def hf_model(seed=0, tied=True):
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return hf
 
@@ -33,15 +34,6 @@ def hf_model(seed=0, tied=True):
 def engine_for(source, tp=1, dtype=torch.float32, **kw):
     return he.HybridEngine(source, he.EngineConfig(dtype=dtype, device="cpu", tp_generation=tp, block_size=4,
                                                    max_model_len=64, max_num_seqs=8, **kw))
-
-
-def batch(step, rank=0, vocab=128):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    lengths = [9, 14, 6]
-    return he.PPOBatch(input_ids=[torch.randint(0, vocab, (n,), generator=g) for n in lengths],
-                       response_mask=[torch.ones(n - 1) for n in lengths],
-                       old_logprobs=[torch.randn(n - 1, generator=g) - 4 for n in lengths],
-                       advantages=[torch.randn(n - 1, generator=g) for n in lengths])
 
 
 def generate(engine):
@@ -183,17 +175,20 @@ def test_strictness_errors_write_nothing():
         engine.state_dict(device="gpu0")
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_a_step_after_load_trains_from_the_loaded_weights(split):
-    """bf16 weights with fp32 masters (or split masters): load_weights sets the masters of what it writes
-    to the new weights, keeping moments and step count. So the next step equals a step of an engine
-    built from the loaded weights whose optimizer state is the first engine's moments with those masters;
-    without the refresh it would start from the old masters (the weights would jump back)."""
+@pytest.mark.parametrize("split,offload,inside", [(False, "none", False), (True, "none", False),
+                                                  (False, "rollout", True), (True, "optimizer", True)])
+def test_a_step_after_load_trains_from_the_loaded_weights(split, offload, inside):
+    """bf16 weights with fp32 masters (or split masters; with the optimizer state in host memory, loaded
+    inside rollout()): load_weights sets the masters of what it writes to the new weights, keeping moments
+    and step count. So the next step equals a step of an engine built from the loaded weights whose
+    optimizer state is the first engine's moments with those masters; without the refresh it would start
+    from the old masters (the weights would jump back)."""
     cfg = he.PPOConfig(lr=1e-3, micro_batch_tokens=20, weight_decay=0.01)
     other = hf_model(seed=1)
-    engine = engine_for(hf_model(), dtype=torch.bfloat16, split_master=split)
+    engine = engine_for(hf_model(), dtype=torch.bfloat16, split_master=split, offload=offload)
     engine.ppo_step(batch(0), cfg)
-    engine.load_weights(other.state_dict())
+    with engine.rollout() if inside else contextlib.nullcontext():
+        engine.load_weights(other.state_dict())
     for name, master in masters(engine).items():
         assert torch.equal(master, other.state_dict()[name].to(torch.bfloat16).float()), name
     state = engine.trainer.optimizer.state_dict()
@@ -208,56 +203,70 @@ def test_a_step_after_load_trains_from_the_loaded_weights(split):
 
 # -- N ranks over gloo ---------------------------------------------------------------------------------
 
-def _ranks(rank, world, init_file, tp, tied, errors):
+def _ranks(rank, world, init_file, rollout, errors):
+    """Both TP degrees in the same processes (a spawn costs more than the checks)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    with reporting(errors, f"rank {rank} (N={world}, tg={tp})"):
-        bf16 = torch.bfloat16
-        hf, other = hf_model(tied=tied), hf_model(seed=1, tied=tied)
-        engine = engine_for(hf, tp, dtype=bf16)
-        expected = hf.state_dict()
-        assert_weights(engine, expected, bf16)  # every rank gets every tensor
-        only = list(engine.state_dict(rank0_only=True, device="cpu"))
-        assert len(only) == (len(expected) if rank == 0 else 0)
-        engine.ppo_step(batch(0, rank), he.PPOConfig(lr=1e-3, micro_batch_tokens=20))  # the masters now differ
-
-        # a full load, round trip bitwise, masters refreshed
-        g = torch.Generator().manual_seed(5)
-        new = {n: torch.randn(t.shape, generator=g).to(bf16) for n, t in dict(engine.state_dict()).items()}
-        if tied:
-            new["lm_head.weight"] = new["model.embed_tokens.weight"]
-        engine.load_weights(new)
-        assert_weights(engine, new, bf16)
-        assert all(torch.equal(m, new[n].float()) for n, m in masters(engine).items())
-
-        # a partial load inside a unit, and across ranks' shards: the rest keeps its bits (masters too)
-        part = {n: new[n] * 2 for n in ("model.layers.0.self_attn.v_proj.bias", "model.layers.0.mlp.down_proj.weight",
-                                         "model.layers.1.input_layernorm.weight")}
-        assert engine.load_weights(part) == [s.name for s in engine.sharded.layout.specs if s.name in part]
-        new.update(part)
-        assert_weights(engine, new, bf16)
-        assert all(torch.equal(m, new[n].float()) for n, m in masters(engine).items())
-
-        # a rank's bad input raises on every rank before anything is written; so do different sets of names
-        bad = {"model.layers.7.mlp.up_proj.weight": new[Q]} if rank == world - 1 else {Q: new[Q] + 1}
-        mine = (ValueError, "unexpected tensor") if rank == world - 1 else (he.CollectiveError, "rejected its inputs")
-        with pytest.raises(mine[0], match=mine[1]):
-            engine.load_weights(bad)
-        with pytest.raises(ValueError, match=r"ranks \[1.*\] pass other parameters than rank 0"):
-            engine.load_weights({Q: new[Q] + 1} if rank == 0 else {E: new[E] + 1})
-        assert_weights(engine, new, bf16)
-
-        # inside rollout(): the generation view (the whole TP slice, not only the shard) takes the weights
-        with engine.rollout():
-            before = generate(engine)
-            engine.load_weights(other.state_dict())
-            after = generate(engine)
-        fresh = engine_for(other, tp, dtype=bf16)
-        with fresh.rollout():
-            assert after == generate(fresh)
-        assert after != before
-        assert_weights(engine, other.state_dict(), bf16)
+    with reporting(errors, f"rank {rank} (N={world})"):
+        for tp, tied in ((1, world == 2), (2, world != 2)):
+            try:
+                _round_trip(rank, world, tp, tied, rollout)
+            except BaseException as e:
+                e.add_note(f"at tg={tp}")
+                raise
 
 
-@pytest.mark.parametrize("world,tp,tied", [(2, 1, True), (2, 2, False), (4, 1, False), (4, 2, True)])
-def test_round_trip_and_load_on_n_ranks(world, tp, tied):
-    spawn(_ranks, world, tp, tied)
+def _round_trip(rank, world, tp, tied, rollout):
+    bf16 = torch.bfloat16
+    hf, other = hf_model(tied=tied), hf_model(seed=1, tied=tied)
+    engine = engine_for(hf, tp, dtype=bf16)
+    expected = hf.state_dict()
+    assert_weights(engine, expected, bf16)  # every rank gets every tensor
+    only = list(engine.state_dict(rank0_only=True, device="cpu"))
+    assert len(only) == (len(expected) if rank == 0 else 0)
+    engine.ppo_step(batch(0, rank), he.PPOConfig(lr=1e-3))  # the masters now differ from the weights
+
+    # a full load, round trip bitwise, masters refreshed
+    g = torch.Generator().manual_seed(5)
+    new = {n: torch.randn(t.shape, generator=g).to(bf16) for n, t in dict(engine.state_dict()).items()}
+    if tied:
+        new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    engine.load_weights(new)
+    assert_weights(engine, new, bf16)
+    assert all(torch.equal(m, new[n].float()) for n, m in masters(engine).items())
+
+    # a partial load inside a unit, and across ranks' shards: the rest keeps its bits (masters too)
+    part = {n: new[n] * 2 for n in ("model.layers.0.self_attn.v_proj.bias", "model.layers.0.mlp.down_proj.weight",
+                                     "model.layers.1.input_layernorm.weight")}
+    assert engine.load_weights(part) == [s.name for s in engine.sharded.layout.specs if s.name in part]
+    new.update(part)
+    assert_weights(engine, new, bf16)
+    assert all(torch.equal(m, new[n].float()) for n, m in masters(engine).items())
+
+    if not rollout:
+        return
+    # a rank's bad input raises on every rank before anything is written; so do different sets of names
+    bad = {"model.layers.7.mlp.up_proj.weight": new[Q]} if rank == world - 1 else {Q: new[Q] + 1}
+    mine = (ValueError, "unexpected tensor") if rank == world - 1 else (he.CollectiveError, "rejected its inputs")
+    with pytest.raises(mine[0], match=mine[1]):
+        engine.load_weights(bad)
+    with pytest.raises(ValueError, match=r"ranks \[1.*\] pass other parameters than rank 0"):
+        engine.load_weights({Q: new[Q] + 1} if rank == 0 else {E: new[E] + 1})
+    assert_weights(engine, new, bf16)
+
+    # inside rollout(): the generation view (the whole TP slice, not only the shard) takes the weights
+    with engine.rollout():
+        before = generate(engine)
+        engine.load_weights(other.state_dict())
+        after = generate(engine)
+    fresh = engine_for(other, tp, dtype=bf16)
+    with fresh.rollout():
+        assert after == generate(fresh)
+    assert after != before
+    assert_weights(engine, other.state_dict(), bf16)
+
+
+# tg = 1 and 2 at each N (tied embeddings at one of them). The errors and the rollout at N = 2: at tg = 1 a load
+# inside rollout() writes the other rank's shard of the TP slice too, at tg = 2 only its own.
+@pytest.mark.parametrize("world,rollout", [(2, True), (4, False)])
+def test_round_trip_and_load_on_n_ranks(world, rollout):
+    spawn(_ranks, world, rollout)

@@ -135,17 +135,19 @@ def refresh_masters_(optimizer, masks: dict[int, torch.Tensor | None]) -> None:
     """Make the optimizer's master weights of the written elements (`write_weights_`'s masks) equal to the
     new weights: an fp32 master becomes the weight's value, a split master's low half zero. Moments and
     the step count stay."""
+    if optimizer.offload is not None:
+        optimizer.offload.join()  # written wherever the state is now (device or host memory)
     for u, mask in masks.items():
-        param = optimizer.params[u]
         if optimizer.master is not None:
-            new = param.float()
-            optimizer.master[u].copy_(new if mask is None else torch.where(mask, new, optimizer.master[u]))
-        elif optimizer.master_lo is not None:
+            master = optimizer.master[u]
+            new = optimizer.params[u].to(master.device).float()
+            master.copy_(new if mask is None else torch.where(mask.to(master.device), new, master))
+        elif optimizer.master_lo is not None:  # the param is the split master's high half already
             lo = optimizer.master_lo[u]
             if mask is None:
                 lo.zero_()
             else:
-                lo.masked_fill_(mask, 0)
+                lo.masked_fill_(mask.to(lo.device), 0)
 
 
 def check_same_writes(writes: list[tuple[str, torch.Tensor]], group, op: str = "load_weights") -> None:
