@@ -79,8 +79,16 @@ def test_ppo_through_hook_is_ppo_step_bitwise(cfg_kw):
 
 
 def _dp_worker(rank, world, init_file, batches, errors):
+    from hybridengine.train.batch import plan_micro_batches
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank}"):
+        # A rank with fewer micro-batches splits its own between groups (DPO's pairs), then pads with empty ones.
+        if rank == 0:  # four micro-batches
+            assert plan_micro_batches([4] * 4, 4, dist.group.WORLD) == [[0], [1], [2], [3]]
+        else:  # one micro-batch of two pairs: split between the pairs, then two empty ones
+            got = plan_micro_batches([3, 3, 3, 3], 100, dist.group.WORLD, [0, 0, 1, 1])
+            assert got == [[0, 1], [2, 3], [], []], got
         hf = build()
         cfg = he.PPOConfig(**CFG)
         assert_bitwise(run_both(hf, batches, rank, cfg))
@@ -108,8 +116,12 @@ def _step_cfg():
 
 
 def test_data_parallel_ppo_through_hook_is_ppo_step_bitwise():
+    """N = 2: the PPO bitwise check with a rank that pads with an empty micro-batch; groups kept whole by the
+    split of `plan_micro_batches`; a loss failing on one rank raises on both, and the engine goes on."""
     hf = build()
-    spawn(_dp_worker, 2, make_batches(hf, 2, steps=2))
+    batches = make_batches(hf, 2, steps=2)
+    batches[0][1] = {k: v[:1] for k, v in batches[0][1].items()}  # one sequence: rank 1 pads with empty ones
+    spawn(_dp_worker, 2, batches)
 
 
 def test_fields_and_micro_batches():
@@ -166,23 +178,6 @@ def test_groups_stay_in_one_micro_batch():
         he.PPOBatch(input_ids=[torch.arange(3)] * 3, groups=[0, 1, 0])
     with pytest.raises(ValueError, match=r"groups must hold one group id per sequence \(3\)"):
         he.PPOBatch(input_ids=[torch.arange(3)] * 3, groups=[0, 1])
-
-
-def _split_worker(rank, world, init_file, errors):
-    from hybridengine.train.batch import plan_micro_batches
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    with reporting(errors, f"rank {rank}"):
-        if rank == 0:  # four micro-batches
-            got = plan_micro_batches([4] * 4, 4, None)
-            assert plan_micro_batches([4] * 4, 4, dist.group.WORLD) == got
-        else:  # one micro-batch of two pairs, then two single sequences: split between the pairs, then padded
-            got = plan_micro_batches([3, 3, 3, 3], 100, dist.group.WORLD, [0, 0, 1, 1])
-            assert got == [[0, 1], [2, 3], [], []], got
-
-
-def test_data_parallel_split_keeps_groups():
-    spawn(_split_worker, 2)
 
 
 def test_loss_scale_sum_equals_tokens_when_the_loss_normalises_itself():

@@ -421,11 +421,12 @@ class Trainer:
         """(loss, metrics) of loss_fn, checked (a scalar float tensor, finite) and agreed over the ranks: a
         failure on any rank raises LossFnError on every rank (one flag all-reduce and host read per
         micro-batch). The dummy row of an empty micro-batch skips the loss (a zero with the graph)."""
-        if not live:
-            return (logp * 0).sum() + (entropy * 0).sum(), {}
         error, loss, metrics = None, None, {}
         try:
-            out = loss_fn(logp, entropy, fields)
+            if not live:  # still agrees below: the peers' micro-batch runs the same collectives
+                out = (logp * 0).sum() + (entropy * 0).sum()
+            else:
+                out = loss_fn(logp, entropy, fields)
             loss, metrics = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
                 raise LossFnError(f"train_step: loss_fn must return a 0-dim float tensor (or (loss, metrics)), got "
