@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridengine.ops import _launch
-from hybridengine.ops.exact_linear import (EXACT_BLOCK_K, linear_exact, linear_exact_ref, linear_exact_torch,
-                                           linear_exact_triton)
+from hybridengine.ops import _launch, exact_linear
+from hybridengine.ops.exact_linear import (EXACT_BLOCK_K, linear_exact, linear_exact_cublas, linear_exact_ref,
+                                           linear_exact_torch, linear_exact_triton)
 from hybridengine.ops.stacked_rows import stacked_rows
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -38,10 +38,14 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
-@pytest.fixture(params=["triton", "torch"])
+@pytest.fixture(params=["triton", "torch", "cublas"])
 def path(request, monkeypatch) -> str:
-    """Which implementation `linear_exact` runs: the kernel (the interpreter on CPU) or the torch path."""
-    monkeypatch.setattr(_launch, "use_kernel", lambda t: request.param == "triton")
+    """Which implementation `linear_exact` runs: the kernel (the interpreter on CPU), the torch path, or (CUDA,
+    16-bit inputs; fp32 inputs take the kernel) cuBLAS with split-K forbidden."""
+    if request.param == "cublas" and not torch.cuda.is_available():
+        pytest.skip("cuBLAS needs CUDA")
+    monkeypatch.setattr(_launch, "use_kernel", lambda t: request.param != "torch")
+    monkeypatch.setattr(exact_linear, "CUBLAS", request.param == "cublas")
     return request.param
 
 
@@ -158,6 +162,25 @@ def test_close_to_float64_reference(device, path, dtype, k_splits):
     bound = n * u / (1 - n * u) * (x.double().abs() @ w.double().abs().t() + b.double().abs())
     err32 = (linear_exact(x, w, b, k_splits=k_splits, out_dtype=torch.float32).double() - exact).abs()
     assert (err32 <= bound).all(), (err32 / bound).max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,k_splits,with_bias,out_dtype", [
+    (1536, 2048, 1, True, None), (1536, 1536, 2, False, None), (8960, 1536, 2, False, None),
+    (1536, 17920, 1, False, None), (768, 1536, 1, False, torch.float32), (K, N, 2, True, None)])
+def test_cublas_without_split_k_gives_the_kernels_bits(k, n, k_splits, with_bias, out_dtype):
+    """cuBLAS with split-K forbidden (`linear_exact_cublas`) against the Triton kernel, bit for bit, at every
+    row count up to 300 and at training sizes: whatever kernel cuBLAS picks for M, it sums K in k order into
+    one fp32 accumulator, as the kernel does (the model's qkv, o, down and gate/up shapes of Qwen2.5-1.5B, a
+    tensor-parallel half with an fp32 output, and the tests' masked K)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, w, b = _inputs("cuda", torch.bfloat16, rows=4096, k=k, n=n)
+    b = b if with_bias else None
+    unequal = [m for m in [*range(1, 301), 512, 1000, 4096]
+               if not torch.equal(linear_exact_cublas(x[:m], w, b, k_splits=k_splits, out_dtype=out_dtype),
+                                  linear_exact_triton(x[:m], w, b, k_splits=k_splits, out_dtype=out_dtype))]
+    assert not unequal, unequal
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

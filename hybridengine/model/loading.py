@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from collections.abc import Iterator, Mapping
 
@@ -30,12 +31,19 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
+def _is_hf_model(source) -> bool:
+    """Whether source is a transformers `PreTrainedModel`, without importing transformers' modeling code
+    (seconds per process) when nothing has: a model cannot exist before its module is imported."""
+    module = sys.modules.get("transformers.modeling_utils")
+    return module is not None and isinstance(source, module.PreTrainedModel)
+
+
 def hf_config_dict(source) -> dict | None:
     """The transformers config of a source as a dict (what `export_hf` writes), or None for a ModelConfig
     (or a folder transformers cannot read: `load_model` raises the real error)."""
-    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+    from transformers import AutoConfig, PretrainedConfig
 
-    if isinstance(source, PreTrainedModel):
+    if _is_hf_model(source):
         return source.config.to_dict()
     if isinstance(source, PretrainedConfig):
         return source.to_dict()
@@ -58,9 +66,9 @@ def load_model(source, *, dtype: torch.dtype = torch.float32, device: torch.devi
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"load_model: dtype must be a floating torch.dtype, got {dtype!r}")
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PretrainedConfig
 
-    if isinstance(source, PreTrainedModel):
+    if _is_hf_model(source):
         model = CausalLM(ModelConfig.from_hf(source.config), dtype=dtype, device=device)
         _fill(model, ((name, t, "the given model's state_dict") for name, t in source.state_dict().items()))
         return model
