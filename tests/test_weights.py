@@ -19,12 +19,16 @@ GREEDY = he.SamplingParams(n=2, temperature=0.0, max_tokens=6)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 11, 12]]  # shared prefixes
 
 
-def hf_model(seed=0, tied=True):
-    """A tiny transformers Qwen2 (q/k/v biases), every weight random (biases and norms too)."""
+def tiny_config(tied=True):
     cfg = he.model_config("tiny-qwen2")
     cfg.tie_word_embeddings = tied
+    return cfg
+
+
+def hf_model(seed=0, tied=True):
+    """A tiny transformers Qwen2 (q/k/v biases), every weight random (biases and norms too)."""
     torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_config(tiny_config(tied), attn_implementation="eager").eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -203,26 +207,28 @@ def test_a_step_after_load_trains_from_the_loaded_weights(split, offload, inside
 
 # -- N ranks over gloo ---------------------------------------------------------------------------------
 
-def _ranks(rank, world, init_file, rollout, errors):
+def _ranks(rank, world, init_file, rollout, weights, errors):
     """Both TP degrees in the same processes (a spawn costs more than the checks)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank} (N={world})"):
         for tp, tied in ((1, world == 2), (2, world != 2)):
             try:
-                _round_trip(rank, world, tp, tied, rollout)
+                _round_trip(rank, world, tp, tied, rollout, *weights[tied])
             except BaseException as e:
                 e.add_note(f"at tg={tp}")
                 raise
 
 
-def _round_trip(rank, world, tp, tied, rollout):
+def _round_trip(rank, world, tp, tied, rollout, initial, first, second):
+    """initial: the weights of an engine built from the config alone (N = 1); first, second: two
+    transformers models' state_dicts."""
     bf16 = torch.bfloat16
-    hf, other = hf_model(tied=tied), hf_model(seed=1, tied=tied)
-    engine = engine_for(hf, tp, dtype=bf16)
-    expected = hf.state_dict()
-    assert_weights(engine, expected, bf16)  # every rank gets every tensor
+    engine = engine_for(tiny_config(tied), tp, dtype=bf16)
+    assert_weights(engine, initial, bf16)  # every rank gets every tensor
     only = list(engine.state_dict(rank0_only=True, device="cpu"))
-    assert len(only) == (len(expected) if rank == 0 else 0)
+    assert len(only) == (len(initial) if rank == 0 else 0)
+    assert len(engine.load_weights(first)) == len(engine.sharded.layout.specs)
+    assert_weights(engine, first, bf16)
     engine.ppo_step(batch(0, rank), he.PPOConfig(lr=1e-3))  # the masters now differ from the weights
 
     # a full load, round trip bitwise, masters refreshed
@@ -253,20 +259,26 @@ def _round_trip(rank, world, tp, tied, rollout):
         engine.load_weights({Q: new[Q] + 1} if rank == 0 else {E: new[E] + 1})
     assert_weights(engine, new, bf16)
 
-    # inside rollout(): the generation view (the whole TP slice, not only the shard) takes the weights
+    # inside rollout(): the generation view (the whole TP slice, not only the shard) takes the weights,
+    # and generates what an engine given them outside a rollout generates
     with engine.rollout():
         before = generate(engine)
-        engine.load_weights(other.state_dict())
+        engine.load_weights(second)
         after = generate(engine)
-    fresh = engine_for(other, tp, dtype=bf16)
+    fresh = engine_for(tiny_config(tied), tp, dtype=bf16)
+    fresh.load_weights(second)
     with fresh.rollout():
         assert after == generate(fresh)
     assert after != before
-    assert_weights(engine, other.state_dict(), bf16)
+    assert_weights(engine, second, bf16)
 
 
 # tg = 1 and 2 at each N (tied embeddings at one of them). The errors and the rollout at N = 2: at tg = 1 a load
 # inside rollout() writes the other rank's shard of the TP slice too, at tg = 2 only its own.
 @pytest.mark.parametrize("world,rollout", [(2, True), (4, False)])
 def test_round_trip_and_load_on_n_ranks(world, rollout):
-    spawn(_ranks, world, rollout)
+    # What one process sees: the sharded engines' state_dict must equal it; the two models' weights go in.
+    weights = {tied: (dict(engine_for(tiny_config(tied), dtype=torch.bfloat16).state_dict()),
+                      hf_model(tied=tied).state_dict(), hf_model(seed=1, tied=tied).state_dict())
+               for tied in (True, False)}
+    spawn(_ranks, world, rollout, weights)
