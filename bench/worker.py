@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train, trl
+from . import train_step as loss_hook
 from .common import Ctx, Recorder, release_memory
 
 BENCHES = {
@@ -47,6 +48,7 @@ BENCHES = {
     "offload_optimizer": offload.offload_optimizer,
     "offload_deepspeed": offload.offload_deepspeed,
     "trl": trl.trl_grpo,
+    "loss_hook": loss_hook.loss_hook,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
 # Each suite is sized to finish in under 10 minutes on 2 x H200 with one model (pass --model per run for the peers).
@@ -81,6 +83,8 @@ SUITES: dict[str, list[str]] = {
     "offload_deepspeed": ["offload_deepspeed"],
     # issue 26: HybridGRPOTrainer against TRL's GRPOTrainer (needs TRL: bench/trl.py)
     "trl": ["trl"],
+    # issue 26: custom losses through the fused LM-head pass (train_step vs ppo_step vs full logits); 1 GPU
+    "loss_hook": ["gemm", "loss_hook"],
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"], **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer",
                                                                        "offload_deepspeed")}}
