@@ -1,11 +1,11 @@
 """Weights in and out of a `ShardedBuffer` in transformers naming (the engine's parameter names are HF's).
 
-- `unit_tensors(sharded, u, ...)`: every parameter of unit u, all-gathered from the ranks and
-  unpacked to natural layout, as separate tensors. `HybridEngine.state_dict` yields them unit by unit,
+- `unit_tensors(sharded, u, names)`: parameters of unit u, all-gathered from the ranks and unpacked
+  to natural layout, as separate tensors. `HybridEngine.state_dict` yields them unit by unit,
   so at most one unit is gathered at a time; `checkpoint.full_state_dict` collects them all.
 - `check_weights(items, ...)`: a whole set of named tensors checked against the layout before anything
   is written (names, shapes, floating dtypes, duplicates, a tied LM head equal to its embedding):
-  the list of `(parameter name, tensor)` writes.
+  the list of `(parameter name, tensor)` writes; `check_same_writes`: every rank writes the same names.
 - `write_weights_(sharded, writes, ...)`: the writes into this rank's part of the buffer, with no
   collective (every rank holds the same full tensors): the training shard of every unit they touch,
   and in the generation state the whole TP slice of it (the generation view). Parameters not written
@@ -48,18 +48,18 @@ def unit_names(layout, order: Mapping[str, int] | None = None) -> list[list[str]
     out = []
     for unit in layout.units:
         names = [s.name for s in unit.params]
-        out.append(sorted(names, key=order.__getitem__) if order is not None else names)
+        out.append(sorted(names, key=lambda n: order.get(n, len(order))) if order is not None else names)
     return out
 
 
-def check_weights(weights, layout, *, tied: bool, model_type: str, strict: bool = True,
+def check_weights(weights, layout, *, tied: bool, model_type: str, dtype: torch.dtype, strict: bool = True,
                   op: str = "load_weights") -> list[tuple[str, torch.Tensor]]:
     """`weights` (a mapping or an iterable of (name, tensor) pairs, which this materialises) checked as a
     whole: the (parameter name, tensor) writes, in the layout's order. A ValueError names the first bad
     item: not a (str, tensor) pair, a name given twice, a name that is not a parameter (`strict`; else it
     is skipped), a shape other than the parameter's, a dtype that is not floating; for tied embeddings
-    (`tied`) `lm_head.weight` writes the embedding, and must equal `model.embed_tokens.weight` when both
-    are given."""
+    (`tied`) `lm_head.weight` writes the embedding, and must equal `model.embed_tokens.weight` in `dtype`
+    (the buffer's) when both are given."""
     if isinstance(weights, Mapping):
         weights = weights.items()
     elif isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, Iterable):
@@ -84,7 +84,7 @@ def check_weights(weights, layout, *, tied: bool, model_type: str, strict: bool 
     if tied and TIED_HEAD in given:
         head = given.pop(TIED_HEAD)
         if EMBED in given:
-            check_tied_head(head, given[EMBED].to(dtype=head.dtype), where)
+            check_tied_head(head, given[EMBED].to(dtype), where)
         else:
             given[EMBED] = head  # the tied head is the embedding (as in transformers)
     return [(s.name, given[s.name]) for s in layout.specs if s.name in given]
