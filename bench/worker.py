@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, sampler, segment_copy, switch, train, trl
+from . import e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, requests, sampler, segment_copy, switch, train, trl
 from . import train_step as loss_hook
 from .common import Ctx, Recorder, release_memory
 
@@ -49,6 +49,9 @@ BENCHES = {
     "offload_deepspeed": offload.offload_deepspeed,
     "trl": trl.trl_grpo,
     "loss_hook": loss_hook.loss_hook,
+    "multi_turn": requests.multi_turn,
+    "long_tail": requests.long_tail,
+    "request_api": requests.request_api,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
 # Each suite is sized to finish in under 10 minutes on 2 x H200 with one model (pass --model per run for the peers).
@@ -85,6 +88,8 @@ SUITES: dict[str, list[str]] = {
     "trl": ["trl"],
     # issue 26: custom losses through the fused LM-head pass (train_step vs ppo_step vs full logits); 1 GPU
     "loss_hook": ["gemm", "loss_hook"],
+    # issue 24: the request API (multi-turn prefix caching, partial rollouts, step() vs generate); 1 GPU
+    "requests": ["multi_turn", "long_tail", "request_api"],
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"], **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer",
                                                                        "offload_deepspeed")}}

@@ -86,6 +86,42 @@ def test_prefill_attention_suite_rows_on_cpu(tmp_path):
     assert measured == {(p, m) for p in ("torch_ref", "sdpa") for m in ("seconds", "TFLOP_per_s")}
 
 
+def test_requests_suite_rows_on_cpu(tmp_path):
+    """The request-API benches on a tiny model: both sides of each, the prefix-cache hits a conversation
+    must get, the carry of partial rollouts, step() and generate per decode step."""
+    rows = run_suite(tmp_path, "requests", 0.3, 120)
+    failed = [r["case"]["reason"] for r in rows if r["metric"] == "not_run"]
+    assert not failed, failed
+    assert {r["bench"] for r in rows} == {"multi_turn", "long_tail", "request_api"}
+
+    shapes = {"multi_turn": {"sessions", "turns", "observation", "reply", "block_size"},
+              "long_tail": {"prompts", "samples", "prompt", "lengths", "median", "sigma", "max_tokens",
+                            "finish_fraction"},
+              "request_api": {"seqs", "prompt", "new_tokens", "groups", "every_steps"}}
+
+    def value(bench, metric, **case):
+        """The one row of bench and metric whose case is `case` plus the workload's shapes."""
+        (row,) = [r for r in rows if r["bench"] == bench and r["metric"] == metric
+                  and case.items() <= r["case"].items() and r["case"].keys() - case.keys() <= shapes[bench]]
+        return row["value"]
+    # 4 sessions x 3 turns of 16-token observations and replies, 16-token blocks: prompts of 16, 48, 80 tokens;
+    # turn t + 1 finds the full blocks of turn t's KV (its prompt and all its reply but the last token): 16, 48.
+    for caching, hit in ((True, 4 * (16 + 48)), (False, 0)):
+        assert value("multi_turn", "tokens", prefix_caching=caching, count="prompt") == 4 * (16 + 48 + 80)
+        assert value("multi_turn", "tokens", prefix_caching=caching, count="prefix_cache_hit") == hit
+        assert value("multi_turn", "seconds", prefix_caching=caching) > 0
+    assert value("multi_turn", "fraction", prefix_caching=True, count="prefill_saved") == pytest.approx(256 / 576)
+    for rollout in ("wait_longest", "partial"):
+        phases = [value("long_tail", "seconds", rollout=rollout, phase=p) for p in ("rollout", "update")]
+        assert sum(phases) == pytest.approx(value("long_tail", "seconds", rollout=rollout))  # one measured step
+    assert value("long_tail", "fraction", rollout="wait_longest", count="carried") == 0
+    assert value("long_tail", "fraction", rollout="wait_longest", count="stale_tokens") == 0
+    assert 0 < value("long_tail", "fraction", rollout="partial", count="carried") <= 0.1 + 1e-9
+    for case in (dict(api="generate"), dict(api="step", arrival="at_once"), dict(api="step", arrival="staggered")):
+        assert value("request_api", "seconds", timing="decode_step", **case) > 0
+        assert value("request_api", "tokens_per_s", **case) > 0
+
+
 def test_soak_rows_on_cpu(tmp_path):
     """`bench soak` on a tiny model: a row per step with its shapes and readings, the summary row, the report."""
     out = tmp_path / "rows.jsonl"
