@@ -192,7 +192,7 @@ class StateOffload:
             return
         lists = self.optimizer.state_lists()
         if target == "host":
-            host = self.prepare_host()
+            self.prepare_host()  # raises OffloadError before anything moves
             dst = {kind: self.host_views(kind, len(ts)) for kind, ts in lists.items()}
         else:
             try:  # allocate everything first: a device out of memory leaves the state in host memory
