@@ -46,6 +46,7 @@ import asyncio
 import functools
 import itertools
 import math
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -376,8 +377,9 @@ def request_api(ctx: Ctx) -> None:
 
     bench = "request_api"
     w = GPU_STEP if ctx.cuda else CPU_STEP
-    cases = [dict(api="generate"), dict(api="step", arrival="at_once"),
-             dict(api="step", arrival="staggered", groups=w.groups, every_steps=w.every)]
+    cases = [dict(api="generate"), dict(api="step", arrival="at_once", output_kind="cumulative"),
+             dict(api="step", arrival="at_once", output_kind="delta"),
+             dict(api="step", arrival="staggered", output_kind="delta", groups=w.groups, every_steps=w.every)]
     for model in _models(ctx, bench):
         # One prefill for generate's whole batch, so its decode steps are its steps but one; max_model_len as
         # in bench generate.
@@ -399,7 +401,8 @@ def request_api(ctx: Ctx) -> None:
                             engine.generate(prompts, params)
                             decode = [engine.stats["decode_s"] / max(1, engine.stats["steps"] - 1)]
                         else:
-                            full = _step_loop(engine, prompts, params, case.get("groups", 1),
+                            kind = dataclasses.replace(params, output_kind=case["output_kind"])
+                            full = _step_loop(engine, prompts, kind, case.get("groups", 1),
                                                  case.get("every_steps", 1), tag=f"{rep}.{i}")
                             decode = [statistics.fmean(full)] if full else []
                         ctx.sync()

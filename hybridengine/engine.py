@@ -510,12 +510,13 @@ class HybridEngine:
 
     def step(self) -> list[RequestOutput]:
         """One model step of every live request (a new request's prefill, or a decode); returns the
-        outputs of the requests added with add_request that progressed since the last step() (cumulative
-        tokens; `finished` once every sample has finished, reported once). With async scheduling a
-        step's tokens are read during the next one, so a step may report nothing."""
+        outputs of the requests added with add_request that progressed since the last step() (as their
+        `SamplingParams.output_kind` says: cumulative tokens, the new ones, or only the final output;
+        `finished` once every sample has finished, reported once). With async scheduling a step's tokens
+        are read during the next one, so a step may report nothing."""
         session = self._live("step")
         self._step(session)
-        return [req.output() for req in session.drain()]
+        return [req.output(delta=req.params.output_kind == "delta") for req in session.drain()]
 
     def _step(self, session: RolloutSession) -> None:
         if self._tp is None:

@@ -117,7 +117,9 @@ def test_requests_suite_rows_on_cpu(tmp_path):
     assert value("long_tail", "fraction", rollout="wait_longest", count="carried") == 0
     assert value("long_tail", "fraction", rollout="wait_longest", count="stale_tokens") == 0
     assert 0 < value("long_tail", "fraction", rollout="partial", count="carried") <= 0.1 + 1e-9
-    for case in (dict(api="generate"), dict(api="step", arrival="at_once"), dict(api="step", arrival="staggered")):
+    for case in (dict(api="generate"), dict(api="step", arrival="at_once", output_kind="cumulative"),
+                 dict(api="step", arrival="at_once", output_kind="delta"),
+                 dict(api="step", arrival="staggered", output_kind="delta")):
         assert value("request_api", "seconds", timing="decode_step", **case) > 0
         assert value("request_api", "tokens_per_s", **case) > 0
 

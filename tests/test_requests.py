@@ -117,6 +117,45 @@ def test_step_streams_cumulative_outputs():
     assert [len(c.token_ids) for c in seen["a"].outputs] == [6, 6] and len(seen["b"].outputs[0].token_ids) == 3
 
 
+def test_delta_and_final_only_outputs_add_up_to_the_cumulative_one():
+    """output_kind "delta": the reports' tokens, log-probs and versions concatenate to the cumulative run's
+    final output, each token reported once, the finish reason with the last; "final_only": one report, the
+    finished output. Same seeds, so the three runs sample the same tokens."""
+    prompts = prompts_for([5, 7])
+
+    def run(kind):
+        engine = make_engine()
+        params = [he.SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=2, output_kind=kind),
+                  he.SamplingParams(max_tokens=3, seed=4, output_kind=kind)]
+        reports = {"a": [], "b": []}
+        with engine.rollout():
+            engine.add_request("a", prompts[0], params[0])
+            engine.add_request("b", prompts[1], params[1])
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    reports[out.request_id].append(out)
+        return reports
+
+    full, delta, final = run("cumulative"), run("delta"), run("final_only")
+    for rid in ("a", "b"):
+        expected = full[rid][-1]
+        assert [out.finished for out in final[rid]] == [True]
+        assert final[rid][0].outputs == expected.outputs
+        assert [out.finished for out in delta[rid]] == [False] * (len(delta[rid]) - 1) + [True]
+        for j, c in enumerate(expected.outputs):
+            parts = [out.outputs[j] for out in delta[rid]]
+            assert sum((p.token_ids for p in parts), []) == c.token_ids
+            assert sum((p.logprobs for p in parts), []) == c.logprobs
+            assert sum((p.policy_versions for p in parts), []) == c.policy_versions
+            assert [p.finish_reason for p in parts if p.finish_reason is not None] == [c.finish_reason]
+        assert len(delta[rid]) > 1
+
+
+def test_output_kind_is_checked():
+    with pytest.raises(ValueError, match="output_kind must be one of"):
+        he.SamplingParams(output_kind="DELTA")
+
+
 def test_abort_frees_blocks_and_leaves_the_others_alone():
     """abort drops a running request (mid async step), a waiting one and one never stepped; their blocks
     are free at once; the others finish as they would without them; a finished id is a no-op."""

@@ -57,6 +57,8 @@ class Request:
     """Per sample: the policy version of each token up to the last `stamp`."""
     num_finished: int = 0
     aborted: bool = False
+    reported: dict[int, int] = field(default_factory=dict)
+    """Per sample: tokens already reported by a "delta" output."""
 
     @property
     def finished(self) -> bool:
@@ -69,9 +71,9 @@ class Request:
             v = self.versions.setdefault(seq.sample, [])
             v.extend([self.version] * (len(seq.logprobs) - len(v)))
 
-    def output(self) -> RequestOutput:
+    def output(self, delta: bool = False) -> RequestOutput:
         """Every sample's resolved tokens so far (a token still in flight is not reported, nor its
-        sample's finish reason)."""
+        sample's finish reason); with `delta`, only those not reported by an earlier delta output."""
         self.stamp()
         by_sample = {seq.sample: seq for seq in self.seqs}
         outs = []
@@ -84,8 +86,11 @@ class Request:
             reason = seq.finish_reason
             if seq.token_ids[-1] == PLACEHOLDER and reason != "abort":
                 reason = None
-            outs.append(CompletionOutput(j, seq.token_ids[start:start + k], list(seq.logprobs), reason,
-                                         list(self.versions.get(j, ())[:k])))
+            first = self.reported.get(j, 0) if delta else 0
+            if delta:
+                self.reported[j] = k
+            outs.append(CompletionOutput(j, seq.token_ids[start + first:start + k], seq.logprobs[first:k], reason,
+                                         self.versions.get(j, [])[first:k]))
         return RequestOutput(list(self.prompt_token_ids), outs, None if isinstance(self.key, int) else self.key,
                              self.finished)
 
@@ -175,7 +180,7 @@ class RolloutSession:
             for seq in req.seqs:
                 if seq.status is not Status.FINISHED:
                     self.sched.add(seq)
-        if req.stream:
+        if req.stream and (req.params.output_kind != "final_only" or req.finished):
             self.progressed[req.key] = req
         if req.waiter is not None and req.waiter.done():  # its task was cancelled meanwhile
             req.waiter = None
@@ -216,6 +221,8 @@ class RolloutSession:
         self.requests.pop(req.key, None)
         if isinstance(req.key, str):
             self.finished_ids.add(req.key)
+        if req.stream and req.params.output_kind == "final_only" and not req.aborted:
+            self.progressed[req.key] = req
         if req.waiter is not None:
             if not req.waiter.done():  # not cancelled
                 req.waiter.set_result(req.output())
@@ -295,7 +302,7 @@ class RolloutSession:
             if void:
                 continue
             req = self.requests[seq.request]
-            if req.stream:
+            if req.stream and req.params.output_kind != "final_only":
                 self.progressed[req.key] = req
         for seq in finished:
             req = self.requests[seq.request]

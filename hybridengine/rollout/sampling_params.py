@@ -12,6 +12,10 @@ MAX_SEED = 2**63
 """Seeds lie in [0, MAX_SEED)."""
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+"""`SamplingParams.output_kind` values."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """How one request samples; `generate` takes one for every prompt or one for all."""
@@ -31,6 +35,11 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed in [0, 2**63): the samples are then independent of batch composition and
     scheduling."""
+    output_kind: str = "cumulative"
+    """What `HybridEngine.step()` reports of a request added with `add_request` (vLLM's RequestOutputKind):
+    "cumulative" every sample's tokens so far, "delta" only those resolved since its last report (the
+    finish reason with the last), "final_only" one output when it finishes. `generate` and
+    `generate_async` return the whole completion whatever it is."""
 
     def __post_init__(self):
         # No silent coercion: 2.5 tokens, a bool for a count or a NaN temperature are errors, not 3, 1 or
@@ -47,6 +56,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"SamplingParams.output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         try:
             stop = tuple(self.stop_token_ids)
         except TypeError:
