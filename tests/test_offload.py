@@ -108,6 +108,36 @@ def test_training_with_offloaded_state_equals_training_without(master_weights):
     assert streamed.state_location() == "host"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("master_weights", MASTERS)
+def test_cuda_transfers_and_streamed_step_are_bitwise(master_weights):
+    """The CUDA path: pinned (registered) host memory, side-stream copies joined by the compute stream,
+    the streamed step's three slots and two streams, the fused kernel; equal to the step on the device."""
+    def make(offload="none"):
+        params, masks = units(master_weights, sizes=(1, 300, 70_001, 4097))
+        return FlatAdamW([p.cuda() for p in params], [m.cuda() for m in masks], lr=1e-2, weight_decay=0.1,
+                         master_weights=master_weights, offload=offload)
+
+    ref, rollout, streamed = make(), make("rollout"), make("optimizer")
+    rollout.offload.chunk_bytes = 4096
+    streamed.offload.step_chunk_numel = 2048 * 3 + 5  # several chunks per unit, slots reused
+    assert streamed.offload.host.pinned and streamed.offload.host.data.is_pinned()
+    for step in range(5):
+        grads = [g.cuda() for g in grads_for(ref.params, step)]
+        for opt in (ref, rollout, streamed):
+            opt.step(grads)
+        rollout.offload.to_host(wait=False)  # joined by the next step's transfer back
+        if step % 2:
+            rollout.offload.join()
+            assert rollout.state_location() == "host"
+            rollout.offload.to_device()  # in flight at the next step
+    rollout.offload.join()
+    torch.cuda.synchronize()
+    for opt in (rollout, streamed):
+        assert_same({k: [t.cpu() for t in v] for k, v in snapshot(opt).items()},
+                    {k: [t.cpu() for t in v] for k, v in snapshot(ref).items()})
+
+
 def test_streamed_step_with_the_triton_kernel_matches_the_unit_kernel():
     """The CUDA path's launcher on chunk slices (interpreter on the CPU): the chunks' bits are the units'."""
     from hybridengine.kernels import adamw
