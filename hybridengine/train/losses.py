@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from hybridengine.ops.ppo_loss import LOSS_AGGS, LossConfig, _aggregate, _policy_loss
 
-__all__ = ["LossFields", "LossFnError", "MissingFieldError", "cispo", "dpo", "gspo", "ppo_clip", "ppo_options", "sft_nll"]
+__all__ = ["LossFields", "LossFnError", "MissingFieldError", "cispo", "dpo", "gspo", "ppo_clip", "ppo_options",
+           "sft_nll"]
 
 
 class LossFnError(ValueError):
@@ -92,9 +93,12 @@ def ppo_clip(logp, entropy, fields, *, clip_low=0.2, clip_high=0.2, clip_ratio_c
     hook's log-probs: needs old_logprobs and advantages (ref_logprobs for kl_coef != 0, rollout_logprobs
     for a rollout correction). Returns (loss, metrics). With the options of a `PPOConfig` (`ppo_options`)
     and the same config, `train_step(batch, partial(ppo_clip, **ppo_options(cfg)), cfg)` is `ppo_step`."""
-    cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
-                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg,
-                     rollout_correction=rollout_correction, rollout_correction_cap=rollout_correction_cap)
+    try:
+        cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
+                         kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg,
+                         rollout_correction=rollout_correction, rollout_correction_cap=rollout_correction_cap)
+    except ValueError as e:
+        raise ValueError(f"ppo_clip: {e}") from None
     _require("ppo_clip", fields, "old_logprobs", "advantages")
     if kl_coef:
         _require("ppo_clip (kl_coef != 0)", fields, "ref_logprobs")

@@ -41,7 +41,8 @@ from hybridengine.train.optimizer import FlatAdamW
 from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - bench.prefill_attention imports it from here
 from hybridengine.train.released_params import ReleasedParams
 
-__all__ = ["PPOBatch", "PPOConfig", "TrainConfig", "Trainer", "ValueConfig"]  # the batch and configs are re-exported here
+# the batch and configs are re-exported here
+__all__ = ["PPOBatch", "PPOConfig", "TrainConfig", "Trainer", "ValueConfig"]
 
 
 class Trainer:
