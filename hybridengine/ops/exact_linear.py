@@ -11,12 +11,12 @@ even). An fp32 output is that unrounded sum, so a tensor-parallel rank holding K
 gets, with `k_splits=1, out_dtype=torch.float32`, exactly partial s of the single-device `k_splits=S` call.
 
 Layers: `linear_exact_ref` (float64 math rounded once: the value the op approximates, for tests and
-benchmarks), `linear_exact_torch` (the torch path: fixed-shape chunk products), `linear_exact_triton` (the
+benchmarks), `linear_exact_torch` (the torch path: sums of fp32 products, no BLAS), `linear_exact_triton` (the
 launcher of `kernels.exact_matmul.exact_matmul_kernel`), and the op `linear_exact` (checks, then the
 kernel where `_launch.use_kernel` says so, else the torch path; differentiable through `_LinearExact`).
 
 The two paths are each batch-invariant; they are not bitwise equal to each other (the GPU's tensor-core
-dots and the CPU BLAS sum a tile's products in their own orders), so a rollout and a trainer that must
+dots and the CPU reduction sum a tile's products in their own orders), so a rollout and a trainer that must
 agree run the same path.
 """
 
@@ -40,9 +40,8 @@ ROW_CHUNK = 16
 COL_CHUNK = 64
 """Weight rows (output columns) per chunk product of the torch path (the last chunk padded with zero rows)."""
 
-CHUNK_PAIRS = 32
-"""(row chunk, column chunk) products per `torch.bmm` of the torch path; the last bmm is padded with
-repeated pairs, so every bmm has one shape."""
+CHUNK_ELEMENTS = 1 << 22
+"""Products held at once by the torch path: (row chunk, column chunk) pairs per step = this // (16 * 64 * k)."""
 
 
 def _config(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype) -> dict:
@@ -73,35 +72,36 @@ def linear_exact_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _chunk_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, k] @ weight[N, k]^T in fp32 as products of [ROW_CHUNK, k] x [k, COL_CHUNK] chunks, CHUNK_PAIRS
-    per `torch.bmm`: every BLAS call has one shape whatever M and N, so an element's sum depends only on
-    its row, its weight row, k, and its place in the chunk. That last one must not matter either: torch's
-    CPU BLAS sums every place of a chunk in one order (the tests move rows and columns across places),
-    which not every BLAS does (numpy's, see `kernels.exact_matmul`)."""
+    """x [M, k] @ weight[N, k]^T in fp32: every output element is `torch.sum` over k of its fp32 products,
+    contiguous along k. No BLAS: a CPU BLAS may sum an element's products in an order that depends on the
+    element's place in its tile (one with AVX-512 kernels does), while torch's reduction over a contiguous
+    last dimension reduces every row alike from its start and never splits it across threads; so an element's
+    sum depends only on its row, its weight row and k. Row and column chunks of fixed shape (zero padded),
+    several pairs a step, bound the memory."""
     M, N, k = x.shape[0], weight.shape[0], x.shape[1]
     num_m, num_n = -(-M // ROW_CHUNK), -(-N // COL_CHUNK)
     xs = x.new_zeros(num_m * ROW_CHUNK, k, dtype=torch.float32)
     xs[:M] = x
     ws = weight.new_zeros(num_n * COL_CHUNK, k, dtype=torch.float32)
     ws[:N] = weight
-    xs, ws = xs.view(num_m, ROW_CHUNK, k), ws.view(num_n, COL_CHUNK, k)
+    xs, ws = xs.view(num_m, ROW_CHUNK, 1, k), ws.view(num_n, 1, COL_CHUNK, k)
     num_pairs = num_m * num_n
-    padded = -(-num_pairs // CHUNK_PAIRS) * CHUNK_PAIRS
-    pair = torch.arange(padded, device=x.device) % num_pairs
+    per_step = max(1, CHUNK_ELEMENTS // (ROW_CHUNK * COL_CHUNK * k))
+    pair = torch.arange(num_pairs, device=x.device)
     rows, cols = pair // num_n, pair % num_n
-    out = torch.empty(padded, ROW_CHUNK, COL_CHUNK, dtype=torch.float32, device=x.device)
-    for first in range(0, padded, CHUNK_PAIRS):
-        sel = slice(first, first + CHUNK_PAIRS)
-        out[sel] = torch.bmm(xs[rows[sel]], ws[cols[sel]].transpose(1, 2))
-    out = out[:num_pairs].view(num_m, num_n, ROW_CHUNK, COL_CHUNK).transpose(1, 2)
+    out = torch.empty(num_pairs, ROW_CHUNK, COL_CHUNK, dtype=torch.float32, device=x.device)
+    for first in range(0, num_pairs, per_step):
+        sel = slice(first, first + per_step)
+        torch.sum(xs[rows[sel]] * ws[cols[sel]], dim=-1, out=out[sel])
+    out = out.view(num_m, num_n, ROW_CHUNK, COL_CHUNK).transpose(1, 2)
     return out.reshape(num_m * ROW_CHUNK, num_n * COL_CHUNK)[:M, :N]
 
 
 def linear_exact_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                        k_splits: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`linear_exact` of x [M, K] in torch ops (the exact mode's path without the kernel): per K split,
-    fp32 chunk products of one shape (`_chunk_products`); the partials added in split order, then the
-    bias as fp32, then one rounding to `out_dtype`."""
+    fp32 sums of products (`_chunk_products`); the partials added in split order, then the bias as fp32,
+    then one rounding to `out_dtype`."""
     M, K = x.shape
     if M == 0 or weight.shape[0] == 0:
         return torch.empty(M, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
@@ -148,18 +148,21 @@ def linear_exact_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 @contextlib.contextmanager
 def _no_split_k():
-    """cuBLAS without split-K for 16-bit GEMMs for the duration of the block (torch's process-wide switch,
-    restored on exit): every kernel it may pick then sums K from zero in k order into one fp32
+    """cuBLASLt without split-K for 16-bit GEMMs for the duration of the block (torch's process-wide
+    switches, restored on exit): every kernel it may pick then sums K from zero in k order into one fp32
     accumulator, as `exact_matmul_kernel` does."""
     matmul = torch.backends.cuda.matmul
     saved = [(getattr(matmul, name), getattr(matmul, f"{name}_split_k")) for name in _REDUCTION_SWITCHES]
+    backend = torch.backends.cuda.preferred_blas_library()
     try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # the switch binds cuBLASLt's calls only
         for name in _REDUCTION_SWITCHES:
             setattr(matmul, name, (False, False))
         yield
     finally:
         for name, value in zip(_REDUCTION_SWITCHES, saved):
             setattr(matmul, name, value)
+        torch.backends.cuda.preferred_blas_library(backend)
 
 
 _REDUCTION_SWITCHES = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
