@@ -170,14 +170,15 @@ def test_close_to_float64_reference(device, path, dtype, k_splits):
     (1536, 17920, 1, False, None), (768, 1536, 1, False, torch.float32), (K, N, 2, True, None)])
 def test_cublas_without_split_k_gives_the_kernels_bits(k, n, k_splits, with_bias, out_dtype):
     """cuBLAS with split-K forbidden (`linear_exact_cublas`) against the Triton kernel, bit for bit, at every
-    row count up to 300 and at training sizes: whatever kernel cuBLAS picks for M, it sums K in k order into
-    one fp32 accumulator, as the kernel does (the model's qkv, o, down and gate/up shapes of Qwen2.5-1.5B, a
-    tensor-parallel half with an fp32 output, and the tests' masked K)."""
+    row count from CUBLAS_MIN_ROWS (fewer go to the kernel) to 300 and at training sizes: whatever kernel
+    cuBLAS picks for M, it sums K in k order into one fp32 accumulator, as the kernel does (the model's qkv,
+    o, down and gate/up shapes of Qwen2.5-1.5B, a tensor-parallel half with an fp32 output, and the tests'
+    masked K)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     x, w, b = _inputs("cuda", torch.bfloat16, rows=4096, k=k, n=n)
     b = b if with_bias else None
-    unequal = [m for m in [*range(1, 301), 512, 1000, 4096]
+    unequal = [m for m in [*range(exact_linear.CUBLAS_MIN_ROWS, 301), 512, 1000, 4096]
                if not torch.equal(linear_exact_cublas(x[:m], w, b, k_splits=k_splits, out_dtype=out_dtype),
                                   linear_exact_triton(x[:m], w, b, k_splits=k_splits, out_dtype=out_dtype))]
     assert not unequal, unequal

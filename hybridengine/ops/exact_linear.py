@@ -188,7 +188,7 @@ def linear_exact_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         total = torch.ops.aten.mm.dtype(x[:, :split], weight[:, :split].t(), torch.float32)
         for s in range(1, k_splits):
             cols = slice(s * split, (s + 1) * split)
-            total = torch.ops.aten.addmm.dtype(total, x[:, cols], weight[:, cols].t(), torch.float32)
+            torch.ops.aten.addmm.dtype_out(total, x[:, cols], weight[:, cols].t(), torch.float32, out=total)
     if bias is not None:
         total = total + bias.float()
     return total.to(out_dtype)
@@ -197,15 +197,20 @@ def linear_exact_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def _impl(x: torch.Tensor):
     if not _launch.use_kernel(x):
         return linear_exact_torch
-    if CUBLAS and x.device.type == "cuda" and x.dtype != torch.float32 and cublas_available():
+    if (CUBLAS and x.device.type == "cuda" and x.dtype != torch.float32 and x.shape[0] >= CUBLAS_MIN_ROWS
+            and cublas_available()):
         return linear_exact_cublas
     return linear_exact_triton
 
 
 CUBLAS = True
-"""Whether 16-bit CUDA inputs take `linear_exact_cublas` (where torch can forbid split-K) rather than the
-Triton kernel: the two give the same bits (tested over every M up to 320 and training sizes on the H200),
-cuBLAS faster."""
+"""Whether 16-bit CUDA inputs of `CUBLAS_MIN_ROWS` rows or more take `linear_exact_cublas` (where torch can
+forbid split-K) rather than the Triton kernel: the two give the same bits (tested over every M from 16 to
+320 and at training sizes on the H200, for the Qwen2.5-1.5B and Qwen2-7B projections), cuBLAS faster."""
+
+CUBLAS_MIN_ROWS = 16
+"""Fewer rows go to the Triton kernel: cuBLAS may take a GEMV-like kernel there with another order (one row of
+down_proj's K = 4480 halves did on the H200); the kernel costs little at that size."""
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_splits: int,
