@@ -381,10 +381,19 @@ class HybridEngine:
         """Start mapping the next rollout's generation pages on a host thread (`ShardedBuffer.
         prepare_generation`): call it right after the last `ppo_step` before `rollout()`, so the page
         mapping overlaps that step's queued GPU work and the switch is only the all-gather. The pages
-        hold model/tg of memory from then on. No-op off CUDA / without the VMM buffer."""
+        hold model/tg of memory from then on. With `offload="rollout"` the optimizer state's copy to host
+        memory starts here too. No-op off CUDA / without the VMM buffer (the offload aside)."""
         if self.role == "critic":
             raise RuntimeError("prepare_rollout() needs an actor engine; this one is a critic")
         self.sharded.prepare_generation()
+        trainer = self._training
+        if self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer:
+            from hybridengine.train.offload import OffloadError
+
+            try:  # the copy to host starts now, behind the step's queued work; rollout() joins it
+                trainer.optimizer.offload.to_host(wait=False)
+            except OffloadError:
+                pass  # nothing moved; rollout() raises it on every rank
 
     def _check_rollout(self) -> None:
         if self.role == "critic":

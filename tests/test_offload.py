@@ -280,6 +280,22 @@ def test_engine_training_with_offload_equals_training_without():
     assert e.memory_report()["host_optimizer"] == 0  # `trainer` brought it back (a training call)
 
 
+def test_prepare_rollout_starts_the_offload():
+    """offload="rollout": prepare_rollout() (after the last step) starts the copy to host; rollout() joins it
+    and the next training call brings the state back, the same bits."""
+    e = engine("rollout")
+    e.ppo_step(batch(0), CFG)
+    opt = e._training.optimizer
+    before = snapshot(opt)
+    e.prepare_rollout()
+    assert opt.state_location() == "host" or opt.offload.in_flight
+    with e.rollout():
+        assert opt.state_location() == "host" and not opt.offload.in_flight
+    e.log_probs(batch(1))
+    assert opt.state_location() == "device"
+    assert_same(snapshot(opt), before)
+
+
 def _modes_at(rank, world, init_file, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank}"):
