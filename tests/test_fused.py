@@ -237,6 +237,28 @@ def test_rms_norm_train_gradients(device, monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_torch_path_is_position_independent(dtype):
+    """The CPU path gives an element the same bits wherever it sits: in a row of 20 or 40 columns (a
+    tensor-parallel half against the whole), first or last row, a strided view of a stacked gate/up output or a
+    contiguous tensor (torch's scalar loop tail rounds exp differently from its vector lanes)."""
+    from hybridengine.ops.silu_mul import silu_mul_torch
+
+    g = torch.Generator().manual_seed(0)
+    gate = (torch.randn(7, 40, generator=g) * 4).to(dtype)
+    up = torch.randn(7, 40, generator=g).to(dtype)
+    whole = silu_mul_torch(gate, up)
+    halves = [silu_mul_torch(gate[:, :20].contiguous(), up[:, :20].contiguous()),
+              silu_mul_torch(gate[:, 20:], up[:, 20:])]
+    assert torch.equal(torch.cat(halves, dim=1), whole)
+    stacked = torch.cat([gate, up], dim=1)  # the rollout's one GEMM output, gate and up as views
+    assert torch.equal(silu_mul_torch(stacked[:, :40], stacked[:, 40:]), whole)
+    for r in range(7):
+        assert torch.equal(silu_mul_torch(gate[r:r + 1], up[r:r + 1]), whole[r:r + 1])
+    ref = silu_mul_ref(gate.double(), up.double())
+    assert (whole.double() - ref).abs().max() <= 2 * (silu_mul_ref(gate, up).double() - ref).abs().max() + 1e-30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_train_gradients(device, monkeypatch, dtype):
     monkeypatch.setattr(_launch, "use_kernel", lambda t: True)
     g = torch.Generator().manual_seed(2)

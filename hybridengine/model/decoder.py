@@ -31,7 +31,7 @@ from hybridengine.model.config import ModelConfig
 from hybridengine.ops.exact_linear import linear_exact
 from hybridengine.ops.rms_norm import rms_norm, rms_norm_train
 from hybridengine.ops.rope import rope_train
-from hybridengine.ops.silu_mul import silu_mul, silu_mul_train
+from hybridengine.ops.silu_mul import silu_mul, silu_mul_torch, silu_mul_train
 from hybridengine.ops.stacked_rows import stacked_rows
 from hybridengine.sharding.buffer import FlatParamBuffer
 from hybridengine.sharding.layout import param_specs
@@ -135,7 +135,7 @@ class _FlatOps:
 
 _FLAT_OPS = {
     Kernels.TORCH: _FlatOps(rms_norm=lambda x, norm: norm(x), rope=apply_rope_flat,
-                            silu_mul=lambda gate, up: F.silu(gate) * up),
+                            silu_mul=silu_mul_torch),
     Kernels.TRAIN: _FlatOps(rms_norm=lambda x, norm: rms_norm_train(x, norm.weight, norm.eps),
                             rope=rope_train,
                             silu_mul=silu_mul_train),

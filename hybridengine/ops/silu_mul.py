@@ -2,7 +2,8 @@
 
 Layers: `silu_mul_ref` (plain torch), `silu_mul_triton` (the launcher of `kernels.elementwise.silu_mul_kernel`
 over [rows, cols]), the ops `silu_mul` (rollout, no autograd) and `silu_mul_train` (training: `_SiluMulTrain`,
-the forward kernel and a backward kernel). The ops take the kernels on CUDA and the reference elsewhere.
+the forward kernel and a backward kernel). The ops take the kernels on CUDA and elsewhere `silu_mul_torch`
+(the reference's math, each element on the same vector path).
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ MAX_BLOCK_BWD = 4096
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
+
+
+LANE_PAD = 64
+"""The torch path's flat length is padded to a multiple of this (elements): more than twice the widest CPU
+vector of floats, so no element falls in the scalar tail of torch's vectorized loops."""
+
+
+def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up off the kernels (differentiable): silu over gate's elements as one contiguous, zero-padded
+    run, so that every element goes through the same vectorized exp. torch's CPU loops take two vectors at a
+    time and leave the rest of each contiguous run to a scalar loop whose exp rounds some values the other
+    way; which elements those are would otherwise depend on the row length (a tensor-parallel half has its
+    own) and the layout, not on the value."""
+    n = gate.numel()
+    flat = torch.nn.functional.pad(gate.reshape(-1), (0, -n % LANE_PAD))
+    return torch.nn.functional.silu(flat)[:n].view(gate.shape) * up
 
 
 def _check(op: str, gate, up) -> None:
@@ -48,10 +65,10 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over [..., I] (one shape and float dtype, unit last strides: views of one [.., 2I]
-    GEMM output are fine). CUDA: the kernel; elsewhere: `silu_mul_ref`."""
+    GEMM output are fine). CUDA: the kernel; elsewhere: `silu_mul_torch`."""
     _check("silu_mul", gate, up)
     if not _launch.use_kernel(gate):
-        return silu_mul_ref(gate, up)
+        return silu_mul_torch(gate, up)
     shape = gate.shape
     return silu_mul_triton(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])).view(shape)
 
@@ -89,11 +106,11 @@ def silu_mul_train(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu_mul` with autograd (training)."""
     _check("silu_mul_train", gate, up)
     if not _launch.use_kernel(gate):
-        return silu_mul_ref(gate, up)
+        return silu_mul_torch(gate, up)
     return _SiluMulTrain.apply(gate, up)
 
 
 def implementations(device_type: str) -> dict[str, str]:
     """Which implementation each op of this module runs on this device type (for `hybridengine info`)."""
-    kind = "Triton" if device_type == "cuda" else "torch reference"
+    kind = "Triton" if device_type == "cuda" else "torch (padded to whole vectors)"
     return {"silu_mul": kind, "silu_mul_train": kind}
