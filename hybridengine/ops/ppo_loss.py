@@ -389,6 +389,21 @@ def _inv_temperature_rows(inv_temperature, rows: int, device) -> torch.Tensor:
     return torch.full((rows,), inv_temperature, dtype=torch.float32, device=device)
 
 
+def _head_grads_(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, index: torch.Tensor | None, start: int,
+                 end: int, grad_hidden, grad_weight, grad_bias) -> None:
+    """One chunk's LM-head gradients from its logit gradients x [rows, V] and hidden rows h: grad_hidden's rows
+    (start:end, or `index` where the chunk's rows are scattered), grad_weight and grad_bias accumulated."""
+    if grad_hidden is not None:
+        if index is None:
+            torch.mm(x, weight, out=grad_hidden[start:end])
+        else:
+            grad_hidden.index_copy_(0, index, x @ weight)
+    if grad_weight is not None:
+        grad_weight.addmm_(x.t(), h)
+    if grad_bias is not None:
+        grad_bias += x.sum(0, dtype=torch.float32)
+
+
 def _scaled_log_softmax(logits: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits * inv_t) per row in fp32: `chosen_logprobs`' torch path (row-invariant:
     CPU and CUDA softmax reduce each row on its own)."""
@@ -541,15 +556,7 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         g_logp, g_ent = coefs(start, end, logp, ent)
         kernels.logit_grad_(x, t, lse, ent, g_logp.contiguous(), g_ent.contiguous(), inv_temperature=inv_t,
                             block_v=block_v)
-        if grad_hidden is not None:
-            if index is None:
-                torch.mm(x, weight, out=grad_hidden[start:end])
-            else:
-                grad_hidden.index_copy_(0, index, x @ weight)
-        if grad_weight is not None:
-            grad_weight.addmm_(x.t(), h)
-        if grad_bias is not None:
-            grad_bias += x.sum(0, dtype=torch.float32)
+        _head_grads_(x, h, weight, index, start, end, grad_hidden, grad_weight, grad_bias)
     return stats
 
 
@@ -599,15 +606,7 @@ def _head_grad_pass(hidden, weight, bias, targets, rows, lse, entropy, g_logp, g
                 torch.addmm(bias, h, weight.t(), out=x)
         kernels.logit_grad_(x, t, lse[start:end], entropy[start:end], g_logp[start:end].contiguous(),
                             g_ent[start:end].contiguous(), inv_temperature=inv_t, block_v=block_v)
-        if grad_hidden is not None:
-            if index is None:
-                torch.mm(x, weight, out=grad_hidden[start:end])
-            else:
-                grad_hidden.index_copy_(0, index, x @ weight)
-        if grad_weight is not None:
-            grad_weight.addmm_(x.t(), h)
-        if grad_bias is not None:
-            grad_bias += x.sum(0, dtype=torch.float32)
+        _head_grads_(x, h, weight, index, start, end, grad_hidden, grad_weight, grad_bias)
 
 
 def _grad_buffers(hidden, weight, bias, needs, rows):
