@@ -54,6 +54,30 @@ def _case(ctx: Ctx, w: E2EWork) -> dict:
     return dict(prompts_per_gpu=w.prompts, prompt=w.prompt, samples=w.n, new_tokens=w.new_tokens)
 
 
+def train_on(ctx: Ctx, engine, outs, index: int, n: int, ppo, t: dict[str, float]) -> None:
+    """The GRPO step's training half on a rollout's outputs: old log-probs recomputed (t["log_probs"]), one
+    ppo_step, then prepare_rollout() for the next rollout (t["update"])."""
+    import hybridengine as he
+    from hybridengine.train.advantages import grpo_advantages
+
+    seqs = [(o.prompt_token_ids, s.token_ids) for o in outs for s in o.outputs]
+    ids = [torch.tensor(p + r) for p, r in seqs]
+    mask = [torch.tensor([0.0] * (len(p) - 1) + [1.0] * len(r)) for p, r in seqs]
+    adv = grpo_advantages(_rewards(len(seqs), index, ctx.rank), n)
+    t3 = time.perf_counter()
+    old = engine.log_probs(he.PPOBatch(input_ids=ids))
+    ctx.sync()
+    t["log_probs"] = time.perf_counter() - t3
+    old = [old[b, :len(ids[b]) - 1].float().cpu() for b in range(len(ids))]
+    batch = he.PPOBatch(input_ids=ids, response_mask=mask, old_logprobs=old,
+                        advantages=[a * m for a, m in zip(adv.tolist(), mask)])
+    t4 = time.perf_counter()
+    engine.ppo_step(batch, ppo)
+    engine.prepare_rollout()  # the next rollout's pages mapped on a host thread (VMM) from here
+    ctx.sync()
+    t["update"] = time.perf_counter() - t4
+
+
 def _rewards(num: int, step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, 2, (num,), generator=g).float()
@@ -84,7 +108,6 @@ def _phase_max(ctx: Ctx, phases: dict[str, float]) -> dict[str, float]:
 def ppo_e2e(ctx: Ctx) -> None:
     """hybridengine: rollout -> log-probs -> update on one engine (random init, embedded configs)."""
     import hybridengine as he
-    from hybridengine.train.advantages import grpo_advantages
 
     w = _work(ctx)
     models = ctx.models if ctx.cuda else ["tiny-qwen2"]
@@ -116,22 +139,7 @@ def ppo_e2e(ctx: Ctx) -> None:
                 rollout.__exit__(None, None, None)
                 ctx.sync()
                 t["switch_to_training"] = time.perf_counter() - t2
-            seqs = [(o.prompt_token_ids, s.token_ids) for o in outs for s in o.outputs]
-            ids = [torch.tensor(p + r) for p, r in seqs]
-            mask = [torch.tensor([0.0] * (len(p) - 1) + [1.0] * len(r)) for p, r in seqs]
-            adv = grpo_advantages(_rewards(len(seqs), index, ctx.rank), w.n)
-            t3 = time.perf_counter()
-            old = engine.log_probs(he.PPOBatch(input_ids=ids))
-            ctx.sync()
-            t["log_probs"] = time.perf_counter() - t3
-            old = [old[b, :len(ids[b]) - 1].float().cpu() for b in range(len(ids))]
-            batch = he.PPOBatch(input_ids=ids, response_mask=mask, old_logprobs=old,
-                                advantages=[a * m for a, m in zip(adv.tolist(), mask)])
-            t4 = time.perf_counter()
-            engine.ppo_step(batch, ppo)
-            engine.prepare_rollout()  # the next rollout's pages mapped on a host thread (VMM) from here
-            ctx.sync()
-            t["update"] = time.perf_counter() - t4
+            train_on(ctx, engine, outs, index, w.n, ppo, t)
             return _phase_max(ctx, t)
 
         def graphs_case() -> dict:  # rows name the lazy setting (EngineConfig.lazy_cuda_graphs) when on

@@ -117,9 +117,8 @@ def offload_rollout(ctx: Ctx) -> None:
 def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
     """bench ppo_e2e's step with each offload setting (the same engine)."""
     import hybridengine as he
-    from hybridengine.train.advantages import grpo_advantages
 
-    from .e2e import _rewards
+    from .e2e import train_on
 
     g = torch.Generator().manual_seed(7 + ctx.rank)
     prompts = torch.randint(0, engine.vocab_size, (w.prompts, w.prompt), generator=g).tolist()
@@ -140,21 +139,7 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
             t2 = time.perf_counter()
         ctx.sync()
         t["exit"] = time.perf_counter() - t2
-        seqs = [(o.prompt_token_ids, s.token_ids) for o in outs for s in o.outputs]
-        ids = [torch.tensor(p + r) for p, r in seqs]
-        mask = [torch.tensor([0.0] * (len(p) - 1) + [1.0] * len(r)) for p, r in seqs]
-        adv = grpo_advantages(_rewards(len(seqs), index, ctx.rank), w.n)
-        t3 = time.perf_counter()
-        old = engine.log_probs(he.PPOBatch(input_ids=ids))
-        ctx.sync()
-        t["log_probs"] = time.perf_counter() - t3
-        old = [old[b, :len(ids[b]) - 1].float().cpu() for b in range(len(ids))]
-        batch = he.PPOBatch(input_ids=ids, response_mask=mask, old_logprobs=old,
-                            advantages=[a * m for a, m in zip(adv.tolist(), mask)])
-        t4 = time.perf_counter()
-        engine.ppo_step(batch, ppo)
-        ctx.sync()
-        t["update"] = time.perf_counter() - t4
+        train_on(ctx, engine, outs, index, w.n, ppo, t)  # with prepare_rollout(): offload starts there
         return dict(zip(t, ctx.slowest(list(t.values()))))
 
     medians = {}
