@@ -97,7 +97,7 @@ class HybridEngine:
         self._async_ids = itertools.count()
         self._cache_hits = 0  # prefix-cache hits of the closed rollouts
         self._training = None
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, float] = {"prefix_cache_hit_tokens": 0}
 
     def _build(self, source) -> CausalLM:
         """Load the source into a ShardedBuffer and return the model over its generation view: under TP
