@@ -205,12 +205,12 @@ def _impl(x: torch.Tensor):
 
 CUBLAS = True
 """Whether 16-bit CUDA inputs of `CUBLAS_MIN_ROWS` rows or more take `linear_exact_cublas` (where torch can
-forbid split-K) rather than the Triton kernel: the two give the same bits (tested over every M from 16 to
-320 and at training sizes on the H200, for the Qwen2.5-1.5B and Qwen2-7B projections), cuBLAS faster."""
+forbid split-K) rather than the Triton kernel: the two give the same bits (the GPU test compares them over
+every M from 16 to 300 and at training sizes, for the model's projection shapes), cuBLAS faster."""
 
 CUBLAS_MIN_ROWS = 16
-"""Fewer rows go to the Triton kernel: cuBLAS may take a GEMV-like kernel there with another order (one row of
-down_proj's K = 4480 halves did on the H200); the kernel costs little at that size."""
+"""Fewer rows go to the Triton kernel: cuBLAS may take a GEMV-like kernel there, with another order (a single
+row of a K = 4480 half did); the kernel costs little at that size."""
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_splits: int,
