@@ -1,6 +1,7 @@
 # make setup : a venv in .venv with torch (CPU wheel here) and hybridengine built in place
 # make demo  : set up, then run the main job (the example GRPO trainer on a tiny model; ~1 min on CPU)
-# make test  : set up, then run the test suite on the CPU (what CI runs: .ci/run)
+# make test  : set up, then run the test suite on the CPU in TEST_WORKERS pytest-xdist processes (default 2;
+#              what CI runs: .ci/run)
 # make test-gpu : set up, then build the CUDA extension and run the whole suite on this machine's GPUs
 #                 (scripts/test_gpu.sh: pytest-xdist workers, the 2-GPU NCCL checks where 2 GPUs exist)
 PYTHON ?= python3
@@ -24,8 +25,10 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*)
 demo: setup
 	$(BIN)/hybridengine grpo --out grpo_out
 
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests $(PYTEST_ARGS)
 
 test-gpu: setup
 	PYTHON=$(BIN)/python bash scripts/test_gpu.sh $(PYTEST_ARGS)
