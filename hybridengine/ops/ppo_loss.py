@@ -389,6 +389,20 @@ def _inv_temperature_rows(inv_temperature, rows: int, device) -> torch.Tensor:
     return torch.full((rows,), inv_temperature, dtype=torch.float32, device=device)
 
 
+def _chunk_inputs(hidden: torch.Tensor, flat: torch.Tensor | None, targets: torch.Tensor, rows: torch.Tensor | None,
+                  T: int, start: int, end: int):
+    """Chunk [start, end) of the selected token rows: (their indices or None when every row is taken, hidden
+    rows [n, H], targets [n]); hidden is [B, T, H] unless `flat` [N, H] is given."""
+    index = None if rows is None else rows[start:end]
+    if flat is None:
+        token = torch.arange(start, end, device=hidden.device) if index is None else index
+        h = hidden[token // T, token % T]
+    else:
+        h = flat[start:end] if index is None else flat.index_select(0, index)
+    t = targets[start:end] if index is None else targets.index_select(0, index)
+    return index, h, t
+
+
 def _head_grads_(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, index: torch.Tensor | None, start: int,
                  end: int, grad_hidden, grad_weight, grad_bias) -> None:
     """One chunk's LM-head gradients from its logit gradients x [rows, V] and hidden rows h: grad_hidden's rows
@@ -530,13 +544,7 @@ def _head_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         buffer = torch.empty(min(chunk, num), vocab, dtype=hidden.dtype, device=device)
     for start in range(0, num, chunk):
         end = min(start + chunk, num)
-        index = None if rows is None else rows[start:end]
-        if flat is None:
-            token = torch.arange(start, end, device=device) if index is None else index
-            h = hidden[token // T, token % T]
-        else:
-            h = flat[start:end] if index is None else flat.index_select(0, index)
-        t = targets[start:end] if index is None else targets.index_select(0, index)
+        index, h, t = _chunk_inputs(hidden, flat, targets, rows, T, start, end)
         lse, logp, ent = (s[start:end] for s in stats)
         if exact:
             x = None  # the previous chunk's logits go before the next are allocated
@@ -583,13 +591,7 @@ def _head_grad_pass(hidden, weight, bias, targets, rows, lse, entropy, g_logp, g
     buffer = None
     for start in starts:
         end = min(start + chunk, num)
-        index = None if rows is None else rows[start:end]
-        if flat is None:
-            token = torch.arange(start, end, device=device) if index is None else index
-            h = hidden[token // T, token % T]
-        else:
-            h = flat[start:end] if index is None else flat.index_select(0, index)
-        t = targets[start:end] if index is None else targets.index_select(0, index)
+        index, h, t = _chunk_inputs(hidden, flat, targets, rows, T, start, end)
         if start == last:
             x = kept.pop("logits")
             buffer = kept.pop("buffer", None)  # the forward's chunk storage holds the recomputed chunks
