@@ -23,6 +23,7 @@ agree run the same path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -168,6 +169,7 @@ def _no_split_k():
 _REDUCTION_SWITCHES = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 
 
+@functools.cache
 def cublas_available() -> bool:
     """Whether this torch can forbid cuBLAS's split-K (`allow_*_reduced_precision_reduction = (False, False)`)."""
     return hasattr(torch._C, "_get_cublas_allow_bf16_reduced_precision_reduction") and isinstance(
