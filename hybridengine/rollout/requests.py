@@ -65,33 +65,47 @@ class Request:
         return self.aborted or self.num_finished == self.params.n
 
     def stamp(self) -> None:
-        """Tag the tokens resolved since the last call with the policy version that sampled them (before
-        the version changes: at every output and when the request is kept)."""
+        """Tag the tokens resolved since the last call with the policy version that sampled them, before
+        the version changes (when the request is kept). Tokens past a sample's stamped ones carry
+        `version`, so the per-step outputs stamp nothing."""
         for seq in self.seqs:
             v = self.versions.setdefault(seq.sample, [])
             v.extend([self.version] * (len(seq.logprobs) - len(v)))
 
+    def _versions(self, j: int, first: int, k: int) -> list[int]:
+        """The policy versions of sample j's tokens first..k-1."""
+        old = self.versions.get(j, ())
+        stamped = len(old)
+        if first >= stamped:
+            return [self.version] * (k - first)
+        return list(old[first:min(k, stamped)]) + [self.version] * (k - max(first, stamped))
+
     def output(self, delta: bool = False) -> RequestOutput:
         """Every sample's resolved tokens so far (a token still in flight is not reported, nor its
-        sample's finish reason); with `delta`, only those not reported by an earlier delta output."""
-        self.stamp()
-        by_sample = {seq.sample: seq for seq in self.seqs}
+        sample's finish reason); with `delta`, only those not reported by an earlier delta output.
+        Built on every step() for every request that progressed, so it costs O(samples + tokens
+        reported): the outputs of one request share its `prompt_token_ids` list."""
+        seqs, n = self.seqs, self.params.n
+        if len(seqs) != n or any(seq.sample != j for j, seq in enumerate(seqs)):  # before the fork
+            by_sample = {seq.sample: seq for seq in seqs}
+            seqs = [by_sample.get(j) for j in range(n)]
         outs = []
-        for j in range(self.params.n):
-            seq = by_sample.get(j)
+        reported = self.reported
+        for j, seq in enumerate(seqs):
             if seq is None:  # before the fork, or never prefilled
                 outs.append(CompletionOutput(j, [], [], "abort" if self.aborted else None, []))
                 continue
-            k, start = len(seq.logprobs), seq.num_prompt_tokens
+            logprobs, start = seq.logprobs, seq.num_prompt_tokens
+            k = len(logprobs)
             reason = seq.finish_reason
-            if seq.token_ids[-1] == PLACEHOLDER and reason != "abort":
+            if reason != "abort" and seq.token_ids[-1] == PLACEHOLDER:
                 reason = None
-            first = self.reported.get(j, 0) if delta else 0
+            first = reported.get(j, 0) if delta else 0
             if delta:
-                self.reported[j] = k
-            outs.append(CompletionOutput(j, seq.token_ids[start + first:start + k], seq.logprobs[first:k], reason,
-                                         self.versions.get(j, [])[first:k]))
-        return RequestOutput(list(self.prompt_token_ids), outs, None if isinstance(self.key, int) else self.key,
+                reported[j] = k
+            outs.append(CompletionOutput(j, seq.token_ids[start + first:start + k], logprobs[first:k], reason,
+                                         self._versions(j, first, k)))
+        return RequestOutput(self.prompt_token_ids, outs, None if isinstance(self.key, int) else self.key,
                              self.finished)
 
 
