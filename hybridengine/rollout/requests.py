@@ -171,7 +171,7 @@ class RolloutSession:
 
     def admit(self, prompt: list[int], params: SamplingParams) -> Request:
         """A checked request of a `generate` call, admitted now on every rank alike (its key is an int)."""
-        req = Request(next(self._keys), prompt, params, stream=False)
+        req = Request(next(self._keys), list(prompt), params, stream=False)  # its outputs' list, not the caller's
         self._admit(req)
         return req
 
