@@ -90,6 +90,9 @@ SUITES: dict[str, list[str]] = {
     "loss_hook": ["gemm", "loss_hook"],
     # issue 24: the request API (multi-turn prefix caching, partial rollouts, step() vs generate); 1 GPU
     "requests": ["multi_turn", "long_tail", "request_api"],
+    "multi_turn": ["multi_turn"],
+    "long_tail": ["long_tail"],
+    "request_api": ["request_api"],
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"], **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer",
                                                                        "offload_deepspeed")}}

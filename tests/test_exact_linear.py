@@ -167,7 +167,8 @@ def test_close_to_float64_reference(device, path, dtype, k_splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n,k_splits,with_bias,out_dtype", [
     (1536, 2048, 1, True, None), (1536, 1536, 2, False, None), (8960, 1536, 2, False, None),
-    (1536, 17920, 1, False, None), (768, 1536, 1, False, torch.float32), (K, N, 2, True, None)])
+    (1536, 17920, 1, False, None), (768, 1536, 1, False, torch.float32), (K, N, 2, True, None),
+    (256, 50264, 1, False, None)])
 def test_cublas_without_split_k_gives_the_kernels_bits(k, n, k_splits, with_bias, out_dtype):
     """cuBLAS with split-K forbidden (`linear_exact_cublas`) against the Triton kernel, bit for bit, at every
     row count from CUBLAS_MIN_ROWS (fewer go to the kernel) to 300 and at training sizes: whatever kernel
@@ -182,6 +183,30 @@ def test_cublas_without_split_k_gives_the_kernels_bits(k, n, k_splits, with_bias
                if not torch.equal(linear_exact_cublas(x[:m], w, b, k_splits=k_splits, out_dtype=out_dtype),
                                   linear_exact_triton(x[:m], w, b, k_splits=k_splits, out_dtype=out_dtype))]
     assert not unequal, unequal
+
+
+@pytest.mark.gpu
+def test_unaligned_shapes_keep_the_kernels_bits():
+    """An odd vocabulary (N = 50257, GPT-2's) is not cuBLAS's: `linear_exact` routes it to the Triton kernel,
+    so a row's logits are the same bits at every row count, one row (the sampler's) included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, w, _ = _inputs("cuda", torch.bfloat16, rows=512, k=256, n=50257)
+    assert not exact_linear._cublas_aligned(x, w, 1)
+    want = linear_exact_triton(x, w, None)
+    unequal = [m for m in (1, 15, 16, 17, 60, 128, 180, 512) if not torch.equal(linear_exact(x[:m], w), want[:m])]
+    assert not unequal, unequal
+
+
+def test_cublas_takes_only_aligned_layouts():
+    """K per split, N and the row strides must be multiples of CUBLAS_ALIGN (and the data 16-byte aligned)."""
+    x = torch.zeros(32, 64, dtype=torch.bfloat16)
+    w = torch.zeros(48, 64, dtype=torch.bfloat16)
+    assert exact_linear._cublas_aligned(x, w, 1) and exact_linear._cublas_aligned(x, w, 2)
+    assert not exact_linear._cublas_aligned(x, w[:47], 1)  # N = 47
+    assert not exact_linear._cublas_aligned(x[:, :60], w[:, :60], 1)  # K = 60 (and a stride of 64: fine alone)
+    assert not exact_linear._cublas_aligned(x, w, 16)  # K per split = 4
+    assert not exact_linear._cublas_aligned(torch.zeros(32, 65, dtype=torch.bfloat16)[:, 1:], w, 1)  # 2-byte offset
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -196,11 +196,19 @@ def linear_exact_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return total.to(out_dtype)
 
 
-def _impl(x: torch.Tensor):
+def _cublas_aligned(x: torch.Tensor, weight: torch.Tensor, k_splits: int) -> bool:
+    """K (per split), N and the row strides are multiples of CUBLAS_ALIGN elements and the data 16-byte
+    aligned: the layouts whose cuBLAS kernels the GPU test holds to the Triton kernel's bits."""
+    k, n = x.shape[1] // k_splits, weight.shape[0]
+    return (k % CUBLAS_ALIGN == 0 and n % CUBLAS_ALIGN == 0 and x.stride(0) % CUBLAS_ALIGN == 0
+            and weight.stride(0) % CUBLAS_ALIGN == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+def _impl(x: torch.Tensor, weight: torch.Tensor, k_splits: int):
     if not _launch.use_kernel(x):
         return linear_exact_torch
     if (CUBLAS and x.device.type == "cuda" and x.dtype != torch.float32 and x.shape[0] >= CUBLAS_MIN_ROWS
-            and cublas_available()):
+            and _cublas_aligned(x, weight, k_splits) and cublas_available()):
         return linear_exact_cublas
     return linear_exact_triton
 
@@ -209,6 +217,10 @@ CUBLAS = True
 """Whether 16-bit CUDA inputs of `CUBLAS_MIN_ROWS` rows or more take `linear_exact_cublas` (where torch can
 forbid split-K) rather than the Triton kernel: the two give the same bits (the GPU test compares them over
 every M from 16 to 300 and at training sizes, for the model's projection shapes), cuBLAS faster."""
+
+CUBLAS_ALIGN = 8
+"""cuBLAS takes only shapes and strides that are multiples of 8 elements: at an odd vocabulary (N = 50257)
+it picks kernels whose bits differ from the Triton kernel's, and those shapes go to the kernel."""
 
 CUBLAS_MIN_ROWS = 16
 """Fewer rows go to the Triton kernel: cuBLAS may take a GEMV-like kernel there, with another order (a single
@@ -220,7 +232,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     """The kernel or the torch path over x's rows flattened to [M, K]; returns [..., N]."""
     shape = x.shape
     x2 = x.reshape(math.prod(shape[:-1]), shape[-1])
-    impl = _impl(x2)
+    impl = _impl(x2, weight, k_splits)
     y = impl(x2, weight, bias, k_splits=k_splits, out_dtype=out_dtype)
     return y.view(*shape[:-1], weight.shape[0])
 
