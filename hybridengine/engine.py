@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import itertools
 import os
 import time
@@ -422,9 +423,17 @@ class HybridEngine:
         On a normal exit, unfinished requests are aborted, or with `keep_unfinished` kept (tokens,
         log-probs and policy versions so far; their KV is recomputed under the next rollout's weights);
         under TP the driver's choice holds for its group. On an exit by an exception every request is
-        aborted and no rank waits for another."""
+        aborted and no rank waits for another.
+
+        While the block runs, the objects that existed at its entry are frozen out of Python's garbage
+        collector (`gc.freeze`, undone on exit; skipped when the caller froze already): each step() makes
+        O(requests) output objects, and the full collections they trigger would otherwise walk the whole
+        trainer's heap (the model, the optimizer, the data) every few hundred steps, on the decode path."""
         self._guard.agree("rollout", self._check_rollout)
         ok = False
+        froze = gc.get_freeze_count() == 0
+        if froze:
+            gc.freeze()
         try:
             with self._guard.work("rollout"):
                 t0 = time.perf_counter()
@@ -463,6 +472,8 @@ class HybridEngine:
                         runner.close()
                 finally:
                     del runner
+                    if froze:
+                        gc.unfreeze()
                     self._leave_rollout()
 
     def _join_offload(self) -> None:

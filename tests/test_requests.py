@@ -251,6 +251,32 @@ def test_calls_outside_rollout_raise():
     assert not engine.has_unfinished_requests()
 
 
+def test_rollout_freezes_the_heap_out_of_the_gc_and_thaws_it():
+    """Inside rollout() the objects that existed at entry are frozen out of the collector (the per-step outputs
+    do not make full collections walk them); exit thaws them, also after an error; a caller's own freeze
+    is left as it was."""
+    import gc
+
+    engine = make_engine()
+    assert gc.get_freeze_count() == 0
+    with engine.rollout():
+        assert gc.get_freeze_count() > 0
+        engine.generate(prompts_for([3]), GREEDY)
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError, match="inside"):
+        with engine.rollout():
+            raise RuntimeError("inside")
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with engine.rollout():
+            engine.generate(prompts_for([3]), GREEDY)
+        assert 0 < gc.get_freeze_count() <= frozen  # still frozen, nothing added (frozen objects may die)
+    finally:
+        gc.unfreeze()
+
+
 def test_generate_async_200_tasks_equal_generate():
     """200 concurrent tasks (one stepping task batches them, 64 rows at a time) give generate's outputs,
     bitwise; then 100 two-turn conversations, each turn appending the last reply, finish without deadlock."""
