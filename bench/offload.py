@@ -19,7 +19,10 @@ count that ran: rows `tokens` (the most that ran) and `tokens_per_s` / `seconds`
 
 `offload_deepspeed`: DeepSpeed ZeRO-3 with `offload_optimizer: cpu` (its CPU Adam, pinned host memory)
 on the same ladder of micro-batches (HF forward with labels: full logits), most tokens and tokens/s.
-GPU only. Mind the host: ZeRO-Offload keeps 16 B per parameter there (fp32 master, moments, grads).
+GPU only. Mind the host: ZeRO-Offload keeps 16 B per parameter there (fp32 master, moments, grads), 113 GiB
+for Qwen2-7B, so on a host where that passes HOST_FRACTION of the available memory (the 1-GPU machine's
+128 GiB) the bench records not_run rather than pinning it. Suite `offload_zero` runs `offload_optimizer` and
+`offload_deepspeed` on one model in one run: `--suite offload_zero --model qwen2.5-1.5b` there.
 
 CPU (the harness check): tiny-qwen2, a tiny workload and a short ladder; the CPU KV cache is sized
 without looking at free memory, so kv_capacity is the same for both settings there.
@@ -280,6 +283,34 @@ def offload_optimizer(ctx: Ctx) -> None:
             ctx.log(f"  {BENCH} optimizer {model}: most tokens optimizer/none = {most['optimizer'] / most['none']:.2f}x")
 
 
+HOST_FRACTION = 0.8
+"""ZeRO-Offload runs only where its host state takes at most this share of the available host memory: past
+it, pinning the state can take the machine's memory from under the process."""
+
+
+def _zero_offload_host_bytes(model: str) -> int:
+    """ZeRO-Offload's host state for the whole model: fp32 master, two fp32 moments and fp32 gradients (16 B
+    per parameter); with several ranks on one host each holds its shard, the sum is the same."""
+    import hybridengine as he
+    from hybridengine.model.config import ModelConfig
+    from hybridengine.model.decoder import CausalLM
+
+    meta = CausalLM(ModelConfig.from_hf(he.model_config(model)), dtype=torch.bfloat16, device="meta")
+    return 16 * sum(p.numel() for p in meta.parameters())
+
+
+def _host_available() -> int | None:
+    """Available host memory in bytes (MemAvailable), None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def offload_deepspeed(ctx: Ctx) -> None:
     """DeepSpeed ZeRO-3 with offload_optimizer: cpu on the micro-batch ladder (GPU only)."""
     if not ctx.cuda:
@@ -290,6 +321,13 @@ def offload_deepspeed(ctx: Ctx) -> None:
     if import_deepspeed(ctx, BENCH) is None:
         return
     for name in ctx.models:
+        need, avail = _zero_offload_host_bytes(name), _host_available()  # ranks share one host: the sum
+        if avail is not None and need > HOST_FRACTION * avail:
+            ctx.rec.not_run(BENCH, "deepspeed_zero3_offload", name,
+                            f"ZeRO-Offload keeps ~{need / 2**30:.0f} GiB on the host for this model and these ranks; "
+                            f"{avail / 2**30:.0f} GiB are available (run it on a larger host or a smaller model)")
+            ctx.log(f"  {BENCH} deepspeed offload {name}: not run, host memory ({need / 2**30:.0f} GiB needed)")
+            continue
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,

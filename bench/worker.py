@@ -84,6 +84,7 @@ SUITES: dict[str, list[str]] = {
     "offload_rollout": ["offload_rollout"],
     "offload_optimizer": ["offload_optimizer"],
     "offload_deepspeed": ["offload_deepspeed"],
+    "offload_zero": ["offload_optimizer", "offload_deepspeed"],  # DeepSpeed last (zero.Init)
     # issue 26: HybridGRPOTrainer against TRL's GRPOTrainer (needs TRL: bench/trl.py)
     "trl": ["trl"],
     # issue 26: custom losses through the fused LM-head pass (train_step vs ppo_step vs full logits); 1 GPU
@@ -95,7 +96,7 @@ SUITES: dict[str, list[str]] = {
     "request_api": ["request_api"],
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"], **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer",
-                                                                       "offload_deepspeed")}}
+                                                                       "offload_deepspeed", "offload_zero")}}
 
 
 def run(suite: str, *, models: list[str], scale: float, out: Path, run_id: str, cpu: bool) -> None:
