@@ -224,9 +224,9 @@ def test_config_errors():
 
 # -- the engine ---------------------------------------------------------------------------------------
 
-def engine(mode, dtype=torch.bfloat16, **kwargs):
+def engine(mode, dtype=torch.bfloat16, device="cpu", **kwargs):
     return he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
-        dtype=dtype, device="cpu", max_model_len=64, max_num_seqs=4, offload=mode, **kwargs))
+        dtype=dtype, device=device, max_model_len=64, max_num_seqs=4, offload=mode, **kwargs))
 
 
 def batch(step, rank=0, vocab=128):
@@ -254,8 +254,8 @@ def engine_state(e):
         k: [t.clone() for t in v or []] for k, v in e.trainer.optimizer.state_dict().items() if k != "step"}}
 
 
-def check_modes(rank=0, dtype=torch.bfloat16, steps=2):
-    engines = {mode: engine(mode, dtype) for mode in off.MODES}
+def check_modes(rank=0, dtype=torch.bfloat16, steps=2, device="cpu"):
+    engines = {mode: engine(mode, dtype, device) for mode in off.MODES}
     engines["optimizer"].trainer.optimizer.offload.step_chunk_numel = 1000  # several chunks per unit
     runs = {mode: [grpo_step(e, step, rank) for step in range(steps)] for mode, e in engines.items()}
     for mode in ("rollout", "optimizer"):
@@ -278,6 +278,16 @@ def test_engine_training_with_offload_equals_training_without():
     engines = check_modes()
     e = engines["rollout"]
     assert e.memory_report()["host_optimizer"] == 0  # `trainer` brought it back (a training call)
+
+
+@pytest.mark.gpu
+def test_cuda_engine_training_with_offload_equals_training_without():
+    """The engine on CUDA: rollout, log-probs and two steps with offload "rollout" and "optimizer" give the
+    tokens, log-probs, weights and optimizer state of offload "none", bit for bit (the copies run on their
+    side stream, the streamed AdamW on the device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check_modes(device="cuda")
 
 
 def test_prepare_rollout_starts_the_offload():
