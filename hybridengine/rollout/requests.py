@@ -86,11 +86,11 @@ class Request:
         Built on every step() for every request that progressed, so it costs O(samples + tokens
         reported): the outputs of one request share its `prompt_token_ids` list."""
         seqs, n = self.seqs, self.params.n
-        if len(seqs) != n or any(seq.sample != j for j, seq in enumerate(seqs)):  # before the fork
+        if len(seqs) != n or (n > 1 and any(seq.sample != j for j, seq in enumerate(seqs))):  # before the fork
             by_sample = {seq.sample: seq for seq in seqs}
             seqs = [by_sample.get(j) for j in range(n)]
         outs = []
-        reported = self.reported
+        reported, stamped, version = self.reported, self.versions, self.version
         for j, seq in enumerate(seqs):
             if seq is None:  # before the fork, or never prefilled
                 outs.append(CompletionOutput(j, [], [], "abort" if self.aborted else None, []))
@@ -103,8 +103,9 @@ class Request:
             first = reported.get(j, 0) if delta else 0
             if delta:
                 reported[j] = k
+            versions = self._versions(j, first, k) if stamped else [version] * (k - first)
             outs.append(CompletionOutput(j, seq.token_ids[start + first:start + k], logprobs[first:k], reason,
-                                         self._versions(j, first, k)))
+                                         versions))
         return RequestOutput(self.prompt_token_ids, outs, None if isinstance(self.key, int) else self.key,
                              self.finished)
 
