@@ -30,18 +30,21 @@ def _round(x, dtype: tl.constexpr):
 def rms_norm_kernel(
     X, Residual, W, Y, Residual_out, Rstd,
     stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ROUND_X: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per row: h = x (+ residual, rounded to the dtype and stored as the new residual),
     y = w * (h * rsqrt(mean(h^2) + eps)) with the normalisation in fp32, cast to the dtype before the
-    scale by w (HF's order of rounding). STORE_RSTD (training) keeps rstd [rows] fp32 for the backward."""
+    scale by w (HF's order of rounding). ROUND_X (with a residual): x is fp32 and first rounded to the
+    residual's dtype, as `x.to(dtype)` would. STORE_RSTD (training) keeps rstd [rows] fp32 for the backward."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(Residual + row * stride_r + cols, mask=ok, other=0.0)
-        h = _round(h.to(tl.float32) + r.to(tl.float32), h.dtype)
+        if ROUND_X:
+            h = _round(h, r.dtype)
+        h = _round(h.to(tl.float32) + r.to(tl.float32), r.dtype)
         tl.store(Residual_out + row * stride_ro + cols, h, mask=ok)
     h32 = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, 0) / n_cols + eps)

@@ -63,6 +63,37 @@ def test_rms_norm_kernel(device, dtype, rows, cols):
     assert_within_ulp(y, y_ref, ulps=ulps)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_rounds_an_fp32_x_as_to_would(device, dtype):
+    """An fp32 x beside a 16-bit residual (exact mode's row-parallel sums) is rounded to the residual's dtype
+    inside the op: y and the new residual are bit for bit those of rms_norm(x.to(dtype), ...), kernel and
+    reference alike; values at rounding ties included."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 96, generator=g) * 3
+    half = torch.finfo(dtype).eps / 2  # half an ulp at 1: the ties
+    big = 3e38 if dtype == torch.bfloat16 else 65519.0  # finite after rounding, where the dtype ends
+    x[0, :8] = torch.tensor([1 + half, 1 + 3 * half, -1 - half, 2.0 ** -130, big, -0.0, 1 - half / 2, 1e-8])
+    r = torch.randn(6, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    x, r, w = x.to(device), r.to(device), w.to(device)
+    for op in (rms_norm, rms_norm_ref, rms_norm_triton):  # rms_norm: the kernel on CUDA, the reference on CPU
+        y, h = op(x, w, 1e-6, residual=r)
+        y_want, h_want = op(x.to(dtype), w, 1e-6, residual=r)
+        assert y.dtype == dtype and h.dtype == dtype
+        assert torch.equal(h, h_want) and torch.equal(y, y_want), op.__name__
+
+
+def test_rms_norm_fp32_x_needs_a_residual_and_a_matching_weight():
+    x = torch.randn(2, 8)
+    r, w = torch.randn(2, 8).bfloat16(), torch.ones(8).bfloat16()
+    with pytest.raises(ValueError, match="rms_norm: weight"):
+        rms_norm(x, w, 1e-6)  # no residual: the weight is x's dtype
+    with pytest.raises(ValueError, match="rms_norm: weight"):
+        rms_norm(x, w.float(), 1e-6, residual=r)  # the weight is the residual's dtype
+    with pytest.raises(ValueError, match="rms_norm: residual"):
+        rms_norm(x.bfloat16(), w, 1e-6, residual=r.float())  # a 16-bit x takes a residual of its dtype
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hq,hk,d", [(1, 4, 2, 64), (9, 7, 1, 32), (5, 12, 2, 128)])
 def test_rope_kernel_is_exact(device, dtype, tokens, hq, hk, d):
@@ -149,6 +180,41 @@ def test_model_fused_paged_forward_matches_eager(device, monkeypatch):
             with torch.inference_mode():
                 outs.append(model.compute_logits(model.hidden_states_paged(ids, positions, meta)))
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_exact_rollout_rounds_row_parallel_sums_in_the_norm(monkeypatch):
+    """Exact mode's fused rollout forward hands o_proj's and down_proj's fp32 sums to the next rms_norm, which
+    rounds them: the logits are bit for bit those of rounding each sum first (`project` without fp32_sum),
+    on a tiny Qwen3 in bf16 with the kernels under the interpreter (on CUDA the engine's exact tests hold the
+    rollout to the trainer)."""
+    import hybridengine as he
+    from hybridengine.model import decoder
+    from hybridengine.rollout.runner import AttentionMetadata, KVCache
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's variant; on CUDA tests/test_exact.py covers the rollout")
+    monkeypatch.setattr(_launch, "use_kernel", lambda t: True)
+    torch.manual_seed(0)
+    model = he.load_model(he.model_config("tiny-qwen3"), dtype=torch.bfloat16, device="cpu")
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (7,))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    positions = torch.cat([torch.arange(3), torch.arange(4)])
+    slots = torch.cat([torch.arange(3), 8 + torch.arange(4)])
+    project, norm, seen = decoder.project, decoder.rms_norm, []
+    monkeypatch.setattr(decoder, "rms_norm", lambda x, *a, **k: seen.append(x.dtype) or norm(x, *a, **k))
+    outs = []
+    for fp32_sum in (True, False):
+        if not fp32_sum:  # every projection rounded by itself, as before the fusion
+            monkeypatch.setattr(decoder, "project", lambda *a, fp32_sum=False: project(*a))
+        kv = KVCache(num_layers=c.num_hidden_layers, num_blocks=8, block_size=4, num_kv_heads=c.num_key_value_heads,
+                     head_dim=c.head_dim, dtype=torch.bfloat16, device="cpu")
+        meta = AttentionMetadata(kv, True, slots, c.head_dim ** -0.5, cu_seqlens=cu, max_seqlen=4, fused=True,
+                                 exact=True)
+        with torch.inference_mode():
+            outs.append(model.local_logits(model.hidden_states_paged(ids, positions, meta), exact=True))
+    assert seen.count(torch.float32) == 2 * c.num_hidden_layers  # the first run's o and down sums
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_stacked_rows():

@@ -146,14 +146,19 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=bias, device="meta")
 
 
-def project(module: nn.Module, x: torch.Tensor, exact: bool, row_parallel: bool = False) -> torch.Tensor:
+def project(module: nn.Module, x: torch.Tensor, exact: bool, row_parallel: bool = False,
+            fp32_sum: bool = False) -> torch.Tensor:
     """A projection: the module itself, or in exact mode `linear_exact` over its weight (the row-parallel ones
-    in `EXACT_ROW_SPLITS` halves). A tensor-parallel wrapper (not an nn.Linear) takes `exact` itself."""
+    in `EXACT_ROW_SPLITS` halves). A tensor-parallel wrapper (not an nn.Linear) takes `exact` itself.
+    `fp32_sum` (exact mode, row-parallel): return the unrounded fp32 sum, for a consumer that rounds it
+    itself (`rms_norm` with a residual, the rollout's next op: one kernel less per projection)."""
     if not exact:
         return module(x)
+    out_dtype = torch.float32 if fp32_sum and row_parallel else None
     if isinstance(module, nn.Linear):
-        return linear_exact(x, module.weight, module.bias, k_splits=EXACT_ROW_SPLITS if row_parallel else 1)
-    return module(x, exact=True)
+        return linear_exact(x, module.weight, module.bias, k_splits=EXACT_ROW_SPLITS if row_parallel else 1,
+                            out_dtype=out_dtype)
+    return module(x, exact=True, out_dtype=out_dtype) if out_dtype is not None else module(x, exact=True)
 
 
 class Attention(nn.Module):
@@ -203,7 +208,9 @@ class Attention(nn.Module):
             q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         out = attn.attend(layer_idx, q, k, v, self.sliding_window, rope=(cos, sin))
-        return project(self.o_proj, out.reshape(x.shape[0], self.num_heads * self.head_dim), attn.exact, True)
+        # exact: o_proj's fp32 sum, rounded in the caller's rms_norm (the residual add)
+        return project(self.o_proj, out.reshape(x.shape[0], self.num_heads * self.head_dim), attn.exact, True,
+                       fp32_sum=True)
 
     def _qkv(self, x: torch.Tensor, exact: bool = False):
         """q [N, Hq, D], k, v [N, Hkv, D] from the three projections."""
@@ -278,7 +285,7 @@ class DecoderLayer(nn.Module):
             act = silu_mul(gu[..., :inter], gu[..., inter:])
         else:
             act = silu_mul(project(mlp.gate_proj, h, exact), project(mlp.up_proj, h, exact))
-        return project(mlp.down_proj, act, exact, True), residual
+        return project(mlp.down_proj, act, exact, True, fp32_sum=True), residual  # rounded in the next norm
 
 
 class Decoder(nn.Module):

@@ -182,12 +182,13 @@ class RowParallelLinear(nn.Module):
         self.weight = linear.weight
         self.reduce = reduce
 
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype (exact mode): the sum's dtype, default x's (torch.float32: unrounded, as `linear_exact`)."""
         if not exact:
             return self.reduce.linear(x, self.weight)
         part = linear_exact(x, self.weight, out_dtype=torch.float32)
         dist.all_reduce(part, group=self.reduce.group)
-        return part.to(x.dtype)
+        return part.to(out_dtype or x.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -26,7 +26,9 @@ def num_warps(cols: int) -> int:
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """HF's RMSNorm of x (+ residual): normalise in fp32, round, scale by weight in the dtype.
-    With residual: (y, x + residual)."""
+    With residual: (y, x + residual); an fp32 x with a 16-bit residual is rounded to its dtype first."""
+    if residual is not None and x.dtype != residual.dtype:
+        x = x.to(residual.dtype)
     h = x if residual is None else x + residual
     h32 = h.float()
     y = weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
@@ -37,9 +39,11 @@ def _check(op: str, x, weight, eps, residual) -> None:
     if isinstance(x, torch.Tensor) and x.dim() == 0:
         raise ValueError(f"{op}: x must be [..., hidden], got a 0-D tensor")
     tensor(op, "x", x, dtypes=FLOAT_DTYPES, contiguous_last=True)
-    tensor(op, "weight", weight, shape=(x.shape[-1],), dtypes=(x.dtype,), device=x.device, contiguous_last=True)
-    if residual is not None:
-        tensor(op, "residual", residual, shape=x.shape, dtypes=(x.dtype,), device=x.device, contiguous_last=True)
+    if residual is not None:  # x is the residual's dtype, or an fp32 sum that is rounded to it
+        tensor(op, "residual", residual, shape=x.shape,
+               dtypes=FLOAT_DTYPES if x.dtype == torch.float32 else (x.dtype,), device=x.device, contiguous_last=True)
+    dtype = x.dtype if residual is None else residual.dtype
+    tensor(op, "weight", weight, shape=(x.shape[-1],), dtypes=(dtype,), device=x.device, contiguous_last=True)
     number(op, "eps", eps, low=0, low_open=True)
 
 
@@ -51,16 +55,17 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
     from hybridengine.kernels.elementwise import rms_norm_kernel
 
-    assert x.dim() == 2 and x.stride(-1) == 1 and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
+    dtype = x.dtype if residual is None else residual.dtype
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.shape == (x.shape[1],) and weight.dtype == dtype
     rows, cols = x.shape
-    y = torch.empty_like(x)
-    h = torch.empty_like(x) if residual is not None else y
+    y = torch.empty_like(x, dtype=dtype)
+    h = torch.empty_like(x, dtype=dtype) if residual is not None else y
     if rows:
         rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, y, h, rstd if rstd is not None else y,
             x.stride(0), (residual if residual is not None else x).stride(0), y.stride(0), h.stride(0), cols, eps,
-            HAS_RESIDUAL=residual is not None, STORE_RSTD=rstd is not None, BLOCK=triton.next_power_of_2(cols),
-            num_warps=num_warps(cols),
+            HAS_RESIDUAL=residual is not None, ROUND_X=x.dtype != dtype, STORE_RSTD=rstd is not None,
+            BLOCK=triton.next_power_of_2(cols), num_warps=num_warps(cols),
         )
     return y if residual is None else (y, h)
 
@@ -68,7 +73,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim of x [..., H] (bf16/fp16/fp32, unit last stride) with weight [H] in x's
     dtype; with residual (x's shape) the sum x + residual is normalised and (y, x + residual) returned.
-    CUDA: one kernel (rounding as eager); elsewhere: `rms_norm_ref`."""
+    x may be fp32 beside a 16-bit residual (then the weight's dtype): it is rounded to that dtype first,
+    so a projection's fp32 sum (exact mode's row-parallel layers) is rounded here rather than by a kernel
+    of its own, the same bits as `rms_norm(x.to(residual.dtype), ...)`. CUDA: one kernel (rounding as
+    eager); elsewhere: `rms_norm_ref`."""
     _check("rms_norm", x, weight, eps, residual)
     if not _launch.use_kernel(x):
         return rms_norm_ref(x, weight, eps, residual)
