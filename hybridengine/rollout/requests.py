@@ -90,7 +90,7 @@ class Request:
             by_sample = {seq.sample: seq for seq in seqs}
             seqs = [by_sample.get(j) for j in range(n)]
         outs = []
-        reported, stamped, version = self.reported, self.versions, self.version
+        reported = self.reported
         for j, seq in enumerate(seqs):
             if seq is None:  # before the fork, or never prefilled
                 outs.append(CompletionOutput(j, [], [], "abort" if self.aborted else None, []))
@@ -103,9 +103,8 @@ class Request:
             first = reported.get(j, 0) if delta else 0
             if delta:
                 reported[j] = k
-            versions = self._versions(j, first, k) if stamped else [version] * (k - first)
             outs.append(CompletionOutput(j, seq.token_ids[start + first:start + k], logprobs[first:k], reason,
-                                         versions))
+                                         self._versions(j, first, k)))
         return RequestOutput(self.prompt_token_ids, outs, None if isinstance(self.key, int) else self.key,
                              self.finished)
 
