@@ -299,29 +299,19 @@ def _zero_offload_host_bytes(model: str) -> int:
     return 16 * sum(p.numel() for p in meta.parameters())
 
 
-def _host_available() -> int | None:
-    """Available host memory in bytes (MemAvailable), None where /proc/meminfo does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def offload_deepspeed(ctx: Ctx) -> None:
     """DeepSpeed ZeRO-3 with offload_optimizer: cpu on the micro-batch ladder (GPU only)."""
     if not ctx.cuda:
         ctx.rec.not_run(BENCH, "deepspeed_zero3_offload", None, "GPU only")
         return
+    from hybridengine.rollout.kv_cache import available_memory
+
     from .peers import _ds_engine, import_deepspeed
 
     if import_deepspeed(ctx, BENCH) is None:
         return
     for name in ctx.models:
-        need, avail = _zero_offload_host_bytes(name), _host_available()  # ranks share one host: the sum
+        need, avail = _zero_offload_host_bytes(name), available_memory()  # ranks share one host: the sum
         if avail is not None and need > HOST_FRACTION * avail:
             ctx.rec.not_run(BENCH, "deepspeed_zero3_offload", name,
                             f"ZeRO-Offload keeps ~{need / 2**30:.0f} GiB on the host for this model and these ranks; "
