@@ -250,8 +250,10 @@ def grpo_step(e, step, rank=0):
 
 
 def engine_state(e):
+    """Weights (gathered to the CPU) and the optimizer state, copied to the CPU: offloaded state lives in host
+    memory, the rest on the engine's device."""
     return {"weights": full_state_dict(e.sharded), **{
-        k: [t.clone() for t in v or []] for k, v in e.trainer.optimizer.state_dict().items() if k != "step"}}
+        k: [t.cpu().clone() for t in v or []] for k, v in e.trainer.optimizer.state_dict().items() if k != "step"}}
 
 
 def check_modes(rank=0, dtype=torch.bfloat16, steps=2, device="cpu"):
