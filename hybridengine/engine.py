@@ -426,14 +426,14 @@ class HybridEngine:
         aborted and no rank waits for another.
 
         While the block runs, the objects that existed at its entry are frozen out of Python's garbage
-        collector (`gc.freeze`, undone on exit; skipped when the caller froze already): each step() makes
-        O(requests) output objects, and the full collections they trigger would otherwise walk the whole
-        trainer's heap (the model, the optimizer, the data) every few hundred steps, on the decode path."""
+        collector (`gc.freeze`), and exit thaws the whole permanent generation (`gc.unfreeze`): each step()
+        makes O(requests) output objects, and the full collections they trigger would otherwise walk the
+        whole trainer's heap (the model, the optimizer, the data) on the decode path. Python cannot thaw a
+        part of the frozen set, so objects frozen before entry (by the caller, or by a library at import)
+        are thawed too; a caller who wants them frozen past the block calls `gc.freeze()` after it."""
         self._guard.agree("rollout", self._check_rollout)
         ok = False
-        froze = gc.get_freeze_count() == 0
-        if froze:
-            gc.freeze()
+        gc.freeze()
         try:
             with self._guard.work("rollout"):
                 t0 = time.perf_counter()
@@ -472,8 +472,7 @@ class HybridEngine:
                         runner.close()
                 finally:
                     del runner
-                    if froze:
-                        gc.unfreeze()
+                    gc.unfreeze()
                     self._leave_rollout()
 
     def _join_offload(self) -> None:
