@@ -460,3 +460,37 @@ def test_probe_gemm_rows_and_their_report_table():
     assert cells[4].startswith("2.00 us") and cells[7] == "0.50"   # of floor: 1 us / 2 us
     assert cells[8] == "3.00 us" and cells[9] == "2.50 us" and cells[10] == "1.25"  # best Triton / cuBLAS
     assert "| m1 | 128 | 2.00 us | 1.00 us | 0.50 |" in text
+
+
+def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys):
+    """The probe's harness on CPU (tiny model): a timed line for generate and for step() per measured rep,
+    and the engine's methods and the collector's callbacks as they were."""
+    import gc
+
+    from bench import probe_request_step
+    from hybridengine.rollout import generator, requests
+
+    wrapped = (requests.RolloutSession.step, generator._Sampled.wait, requests.Request.output)
+    callbacks = list(gc.callbacks)
+    probe_request_step.main([])
+    lines = capsys.readouterr().out.splitlines()
+    for api in ("generate", "step"):
+        timed = [line for line in lines if line.startswith(f"tiny-qwen2 {api}: total ")]
+        assert len(timed) == 2, lines  # reps 1 and 2 (rep 0 warms up)
+    assert all("outputs" in line for line in lines if line.startswith("tiny-qwen2 step:"))
+    assert (requests.RolloutSession.step, generator._Sampled.wait, requests.Request.output) == wrapped
+    assert gc.callbacks == callbacks
+
+
+def test_probe_exact_decode_harness_finds_the_engines_launch_exact(capsys, monkeypatch):
+    """The probe under the Triton interpreter: the engine's own decode launch (the shared forward tile) gives
+    every sequence the varlen kernel's bits, at both head shapes."""
+    from bench import probe_exact_decode
+    from hybridengine.ops import _launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_launch, "use_kernel", _launch.use_kernel)  # the probe points it at the kernels
+    probe_exact_decode.main(["--cpu"])
+    lines = capsys.readouterr().out.splitlines()
+    engine = [line for line in lines if " forward_tile: " in line]
+    assert len(engine) == 2 and all(line.endswith(": 4/4 sequences bitwise equal") for line in engine), lines
