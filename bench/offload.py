@@ -7,7 +7,9 @@ off in its config, so both see the same weights, optimizer state and allocator):
   case source memory_report), the time the rollout's entry waited for the copies out (offload_wait).
 - part grpo_step: bench ppo_e2e's workload (32 prompts x 4 samples x 256 new tokens per GPU, log-probs,
   one update) with each setting: seconds per step and per phase, tokens/s; the transfers' share of
-  the step is (step 'rollout' - step 'none') / step 'none'.
+  the step is (step 'rollout' - step 'none') / step 'none'. Rows with case key `transfer` say where the
+  transfers' time goes (TRANSFERS: host seconds of the calls that start each direction, device seconds
+  of the copies); they are inside the phases, not added to the step.
 - part big_rollout: ROLLOUT (HE_BENCH_OFFLOAD_ROLLOUT, default 512x2048: sequences x new tokens, 128-token
   prompts) with offload 'rollout', against the largest batch whose KV fits the 'none' cache (no
   preemption) with offload 'none': generate seconds, response tokens/s, preempted sequences.
@@ -31,6 +33,7 @@ without looking at free memory, so kv_capacity is the same for both settings the
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -117,6 +120,11 @@ def offload_rollout(ctx: Ctx) -> None:
         release_memory()
 
 
+TRANSFERS = ("offload_start_out_s", "offload_copy_out_s", "offload_start_back_s", "offload_copy_back_s")
+"""engine.stats of offload 'rollout' noted at a rollout's entry: host seconds of the calls that start each
+direction (allocation, launch) and device seconds of the copies (CUDA)."""
+
+
 def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
     """bench ppo_e2e's step with each offload setting (the same engine)."""
     import hybridengine as he
@@ -129,12 +137,14 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
     max_num_seqs = engine.config.max_num_seqs
     engine.config.max_num_seqs = w.prompts * w.n
 
-    def step(index: int) -> dict[str, float]:
+    def step(index: int) -> tuple[dict[str, float], dict[str, float]]:
+        """(the step's phases, the offload's transfer costs that this rollout's entry noted: see TRANSFERS)"""
         t = {}
         ctx.sync()
         t0 = time.perf_counter()
         with engine.rollout():
             t["enter"] = time.perf_counter() - t0
+            transfers = {k: engine.stats[k] for k in TRANSFERS if k in engine.stats}
             t1 = time.perf_counter()
             outs = engine.generate(prompts, params)
             ctx.sync()
@@ -143,14 +153,16 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
         ctx.sync()
         t["exit"] = time.perf_counter() - t2
         train_on(ctx, engine, outs, index, w.n, ppo, t)  # with prepare_rollout(): offload starts there
-        return dict(zip(t, ctx.slowest(list(t.values()))))
+        return dict(zip(t, ctx.slowest(list(t.values())))), transfers
 
     medians = {}
     for mode in ("none", "rollout"):
         engine.config.offload = mode
+        for k in TRANSFERS:
+            engine.stats.pop(k, None)
         step(0)  # warm-up: this setting's first transfer, CUDA graphs of the batch
         with ctx.peak() as pm:
-            steps = [step(i) for i in range(1, 1 + ctx.reps(3))]
+            steps, transfers = zip(*[step(i) for i in range(1, 1 + ctx.reps(3))])
         case = dict(part="grpo_step", offload=mode, prompts_per_gpu=w.prompts, prompt=w.prompt, samples=w.n,
                     new_tokens=w.new_tokens)
         totals = [sum(s.values()) for s in steps]
@@ -160,6 +172,11 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
         for phase in steps[0]:
             ctx.rec.add(BENCH, "hybridengine", model, {**case, "phase": phase}, "seconds", [s[phase] for s in steps])
         ctx.record_peak(pm, BENCH, "hybridengine", model, case)
+        for key in TRANSFERS:  # the step's phases hold them; these say where (not added to the step)
+            values = [x[key] for x in transfers if key in x]
+            if values:
+                ctx.rec.add(BENCH, "hybridengine", model, {**case, "transfer": key[:-2]}, "seconds",
+                            ctx.slowest([statistics.median(values)]))
         medians[mode] = quantiles(totals)[1]
         split = ", ".join(f"{p} {quantiles([s[p] for s in steps])[1]:.3g} s" for p in steps[0])
         ctx.log(f"  {BENCH} grpo_step {model} offload={mode}: {medians[mode]:.2f} s ({split})")

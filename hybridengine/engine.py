@@ -476,9 +476,20 @@ class HybridEngine:
                     self._leave_rollout()
 
     def _join_offload(self) -> None:
+        """Wait for the optimizer state's copy out, then note in `stats` what the round trip cost: the host
+        seconds of the calls that started each direction (`offload_start_out_s`, `offload_start_back_s`:
+        allocation and launch) and the device seconds of the copies (`offload_copy_out_s`, and
+        `offload_copy_back_s` of the copy back before it; CUDA only)."""
         trainer = self._training
         if self.config.offload != "none" and trainer is not None and trainer.has_optimizer:
-            trainer.optimizer.offload.join()
+            offload = trainer.optimizer.offload
+            offload.join()
+            for target, way in (("host", "out"), ("device", "back")):
+                if target in offload.start_seconds:
+                    self.stats[f"offload_start_{way}_s"] = offload.start_seconds[target]
+                copy = offload.copy_seconds(target)
+                if copy is not None:
+                    self.stats[f"offload_copy_{way}_s"] = copy
 
     def _close(self, session: RolloutSession, keep: bool, ok: bool) -> list:
         """The end of a rollout's requests: under TP on a normal exit, the driver tells its group (and

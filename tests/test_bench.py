@@ -124,6 +124,18 @@ def test_requests_suite_rows_on_cpu(tmp_path):
         assert value("request_api", "tokens_per_s", **case) > 0
 
 
+def test_offload_rollout_suite_rows_on_cpu(tmp_path):
+    """bench offload_rollout on a tiny model: every part with both settings, and the transfer rows (where the
+    round trip's time goes) for offload 'rollout' only."""
+    rows = run_suite(tmp_path, "offload_rollout", 0.3, 120)
+    failed = [r["case"]["reason"] for r in rows if r["metric"] == "not_run"]
+    assert not failed, failed
+    parts = {(r["case"]["part"], r["case"].get("offload")) for r in rows if "part" in r["case"]}
+    assert {(p, m) for p in ("kv_capacity", "grpo_step", "big_rollout") for m in ("none", "rollout")} <= parts
+    transfers = {(r["case"]["offload"], r["case"]["transfer"]) for r in rows if "transfer" in r["case"]}
+    assert transfers == {("rollout", "offload_start_out"), ("rollout", "offload_start_back")}  # copies: CUDA
+
+
 def test_soak_rows_on_cpu(tmp_path):
     """`bench soak` on a tiny model: a row per step with its shapes and readings, the summary row, the report."""
     out = tmp_path / "rows.jsonl"

@@ -133,6 +133,8 @@ def test_cuda_transfers_and_streamed_step_are_bitwise(master_weights):
             rollout.offload.to_device()  # in flight at the next step
     rollout.offload.join()
     torch.cuda.synchronize()
+    for target in ("host", "device"):  # the copies' device time on their stream, the starting calls' host time
+        assert rollout.offload.copy_seconds(target) > 0 and rollout.offload.start_seconds[target] > 0
     for opt in (rollout, streamed):
         assert_same({k: [t.cpu() for t in v] for k, v in snapshot(opt).items()},
                     {k: [t.cpu() for t in v] for k, v in snapshot(ref).items()})
@@ -303,9 +305,14 @@ def test_prepare_rollout_starts_the_offload():
     assert opt.state_location() == "host" or opt.offload.in_flight
     with e.rollout():
         assert opt.state_location() == "host" and not opt.offload.in_flight
+    assert e.stats["offload_start_out_s"] > 0 and "offload_start_back_s" not in e.stats
     e.log_probs(batch(1))
     assert opt.state_location() == "device"
     assert_same(snapshot(opt), before)
+    with e.rollout():  # the round trip's costs: the way back's start is noted at the next rollout
+        pass
+    assert e.stats["offload_start_back_s"] > 0
+    assert not any(k.startswith("offload_copy_") for k in e.stats)  # device copy times: CUDA only
 
 
 def _modes_at(rank, world, init_file, errors):

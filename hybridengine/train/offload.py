@@ -26,6 +26,7 @@ those of an optimizer that never left the device.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 
@@ -149,6 +150,10 @@ class StateOffload:
         """Where the optimizer's lists point: 'device' or 'host' (a transfer in flight: its source)."""
         self.host: HostBuffer | None = None
         self._pending: tuple | None = None  # (target location, event or None, {kind: [tensors]})
+        self.start_seconds: dict[str, float] = {}
+        """Per target ('host', 'device'): host seconds of the call that last started a transfer there (the
+        destination's allocation and the copies' launch; the caller waits this long)."""
+        self._copy_events: dict[str, tuple] = {}  # per target: (begin, end) timing events of its last copies
 
     # -- host memory ---------------------------------------------------------------------------------
 
@@ -190,6 +195,7 @@ class StateOffload:
             self.join()
         if self.location == target:
             return
+        t0 = time.perf_counter()
         lists = self.optimizer.state_lists()
         if target == "host":
             self.prepare_host()  # raises OffloadError before anything moves
@@ -209,9 +215,12 @@ class StateOffload:
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))  # the last step's writes, the allocation
                 with torch.cuda.stream(stream):
+                    begin = torch.cuda.Event(enable_timing=True)
+                    begin.record(stream)
                     self._copy_all(dst, lists, non_blocking=True)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(enable_timing=True)
                     event.record(stream)
+                self._copy_events[target] = (begin, event)
                 for ts in (dst if target == "device" else lists).values():
                     for t in ts:  # device memory read or written on the side stream
                         t.record_stream(stream)
@@ -220,6 +229,16 @@ class StateOffload:
                 stream.synchronize()  # nothing of the failed transfer is left running
             raise
         self._pending = (target, event, dst)
+        self.start_seconds[target] = time.perf_counter() - t0
+
+    def copy_seconds(self, target: str) -> float | None:
+        """Device seconds of the last transfer's copies to `target` ('host' or 'device'), from its first
+        copy's start on the copy stream to its last one's end; None off CUDA, before any transfer there, or
+        while it still runs."""
+        events = self._copy_events.get(target)
+        if events is None or not events[1].query():
+            return None
+        return events[0].elapsed_time(events[1]) / 1e3
 
     def _copy_all(self, dst: dict, src: dict, *, non_blocking: bool) -> None:
         for kind, ts in src.items():
