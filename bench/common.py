@@ -68,6 +68,14 @@ def versions() -> dict:
     return out
 
 
+def append_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Appends a probe's rows (free-form dicts, not the bench schema) to a JSONL file and says where."""
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"rows -> {path}")
+
+
 @dataclass(kw_only=True, slots=True)
 class Recorder:
     """Appends rows to a JSONL file; only rank 0 writes (`path=None` elsewhere)."""

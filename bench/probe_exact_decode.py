@@ -15,12 +15,13 @@ warm-up launches, median and p20/p80 of 50). Rows (JSONL): bench/results/probe_e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from pathlib import Path
 
 import torch
+
+from bench.common import append_jsonl
 
 SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "qwen2-7b": (28, 4, 128)}
 """Query heads, KV heads, head_dim."""
@@ -132,10 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{model} {config or 'forward_tile'}: {row['sequences_equal']}/{len(lens)} sequences bitwise equal"
                   + (f", {row['seconds'] * 1e6:.1f} us at {batch} x {ctx}" if cuda else ""))
     if cuda:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        print(f"rows -> {args.out}")
+        append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

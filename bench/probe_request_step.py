@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from bench.common import append_jsonl
 
 
 class _Timers:
@@ -141,10 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             setattr(owner, name, fn)
         timers.close()
     if cuda:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        print(f"rows -> {args.out}")
+        append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

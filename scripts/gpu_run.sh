@@ -11,7 +11,7 @@
 #   tests                   scripts/test_gpu.sh $TEST_ARGS (default -v: each test's outcome is in the log as it
 #                           ends, so a run cut by TEST_S still names its failures), at most TEST_S seconds
 #   suite:NAME[:MODEL[:SCALE]]  python -m bench run --suite NAME [--model MODEL] [--scale SCALE]
-#   py:FILE                 python FILE, its whole output in $OUT/py_<name>.log
+#   py:FILE                 python FILE (the repository root on PYTHONPATH), its whole output in $OUT/py_<name>.log
 # A step starts only with 20 s or more of TOTAL_S left and is cut at the budget's end; the others still run.
 # Logs: $OUT/log (the summary of every step), $OUT/build.log, $OUT/tests.log, $OUT/bench_<suite>.log; rows:
 # $OUT/results.jsonl (one run id for the whole batch: HE_BENCH_RUN_ID, default the UTC time and RUN_TAG).
@@ -61,7 +61,9 @@ for step in ${STEPS:?set STEPS}; do
       grep -v "it/s\]" "$OUT/bench_$name.log" | tail -25 | tee -a "$log" ;;
     py:*)
       file=${step#py:}
-      timeout $(( left - 10 )) "$PYTHON" "$file" >"$OUT/py_$(basename "$file" .py).log" 2>&1 || rc=$?
+      # the repository root on the path: a probe under bench/ imports bench.common
+      PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout $(( left - 10 )) "$PYTHON" "$file" \
+        >"$OUT/py_$(basename "$file" .py).log" 2>&1 || rc=$?
       tail -20 "$OUT/py_$(basename "$file" .py).log" | tee -a "$log" ;;
     *) note "unknown step $step"; rc=2 ;;
   esac
