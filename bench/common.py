@@ -163,9 +163,14 @@ class Ctx:
         if self.rank == 0:
             tqdm.write(msg)
 
-    def sync(self) -> None:
+    def sync(self, *, device_wide: bool = True) -> None:
+        """Wait for the GPU (every stream; with `device_wide=False` only the current stream, which is what a
+        caller reading a call's result waits for, so side-stream copies run on), then for the other ranks."""
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            if device_wide:
+                torch.cuda.synchronize(self.device)
+            else:
+                torch.cuda.current_stream(self.device).synchronize()
         if self.world > 1:
             dist.barrier()
 

@@ -66,7 +66,9 @@ def train_on(ctx: Ctx, engine, outs, index: int, n: int, ppo, t: dict[str, float
     adv = grpo_advantages(_rewards(len(seqs), index, ctx.rank), n)
     t3 = time.perf_counter()
     old = engine.log_probs(he.PPOBatch(input_ids=ids))
-    ctx.sync()
+    # The log-probs' stream only: offload "rollout"'s copy back runs on under the update, as in a trainer
+    # (the update's device-wide sync below keeps it inside the step).
+    ctx.sync(device_wide=False)
     t["log_probs"] = time.perf_counter() - t3
     old = [old[b, :len(ids[b]) - 1].float().cpu() for b in range(len(ids))]
     batch = he.PPOBatch(input_ids=ids, response_mask=mask, old_logprobs=old,

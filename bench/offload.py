@@ -7,7 +7,9 @@ off in its config, so both see the same weights, optimizer state and allocator):
   case source memory_report), the time the rollout's entry waited for the copies out (offload_wait).
 - part grpo_step: bench ppo_e2e's workload (32 prompts x 4 samples x 256 new tokens per GPU, log-probs,
   one update) with each setting: seconds per step and per phase, tokens/s; the transfers' share of
-  the step is (step 'rollout' - step 'none') / step 'none'. Rows with case key `transfer` say where the
+  the step is (step 'rollout' - step 'none') / step 'none'. Each phase ends in a device-wide sync but
+  log_probs, which waits for its own stream only (a trainer reads the log-probs; the state's copy back
+  runs on under the update, whose sync ends the step). Rows with case key `transfer` say where the
   transfers' time goes (TRANSFERS: host seconds of the calls that start each direction, device seconds
   of the copies); they are inside the phases, not added to the step.
 - part big_rollout: ROLLOUT (HE_BENCH_OFFLOAD_ROLLOUT, default 512x2048: sequences x new tokens, 128-token
