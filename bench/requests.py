@@ -280,6 +280,9 @@ async def _tail_steps(ctx: Ctx, engine, w: TailWork, partial: bool, num_steps: i
         # in the next step.
         ctx.sync()
         t1 = time.perf_counter()
+        stats = engine.stats
+        inside = dict(rollout_decode=stats["rollout_decode_s"], rollout_graph_capture=stats["rollout_cuda_graph_capture_s"],
+                      rollout_decode_step=stats["rollout_decode_s"] / max(1, stats["rollout_steps"]))
         finished = [t.result() for t in live if t.done()]
         carried = [t for t in live if not t.done()]
         batch, (prompt_tokens, response_tokens, stale) = _tail_batch(finished, k, engine.policy_version)
@@ -287,8 +290,9 @@ async def _tail_steps(ctx: Ctx, engine, w: TailWork, partial: bool, num_steps: i
         engine.prepare_rollout()
         ctx.sync()
         t2 = time.perf_counter()
-        rollout_s, update_s = ctx.slowest([t1 - t0, t2 - t1])
-        readings.append(dict(rollout=rollout_s, update=update_s, step=rollout_s + update_s, samples=len(finished),
+        rollout_s, update_s, *inside_s = ctx.slowest([t1 - t0, t2 - t1, *inside.values()])
+        readings.append(dict(zip(inside, inside_s), rollout=rollout_s, update=update_s, step=rollout_s + update_s,
+                             samples=len(finished),
                              prompt_tokens=prompt_tokens, response_tokens=response_tokens,
                              carried=len(carried) / len(live), stale=stale / max(1, response_tokens)))
     if carried:  # drop the requests still kept: a rollout left without keep_unfinished aborts them
@@ -317,7 +321,10 @@ def long_tail(ctx: Ctx) -> None:
                 # Step 0 (compilation, the optimizer state; the partial rollout's first carry) is the warm-up;
                 # the peak covers it too.
                 steps = asyncio.run(_tail_steps(ctx, engine, w, partial, 1 + measured, f"{bench} {name}"))[1:]
-            for phase in ("rollout", "update"):
+            # rollout_decode: its decode iterations (host bookkeeping included), rollout_graph_capture: lazy CUDA
+            # graph captures, rollout_decode_step: seconds per decode iteration; the rest of the rollout is
+            # prefill (carried requests' recompute included), entry and exit.
+            for phase in ("rollout", "update", "rollout_decode", "rollout_graph_capture", "rollout_decode_step"):
                 ctx.rec.add(bench, "hybridengine", model, {**case, "phase": phase}, "seconds",
                             [s[phase] for s in steps])
             times = [s["step"] for s in steps]

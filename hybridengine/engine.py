@@ -465,6 +465,9 @@ class HybridEngine:
             session, self._session = self._session, None
             try:
                 if session is not None:
+                    # The whole rollout's counters (generate() notes its own call's as steps, decode_s, ...).
+                    self.stats.update({f"rollout_{k}": v for k, v in session.counters().items()},
+                                      rollout_cuda_graph_capture_s=runner.graph_capture_s if runner else 0.0)
                     self._kept = self._close(session, keep_unfinished, ok)
             finally:
                 try:

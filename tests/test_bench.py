@@ -114,6 +114,8 @@ def test_requests_suite_rows_on_cpu(tmp_path):
     for rollout in ("wait_longest", "partial"):
         phases = [value("long_tail", "seconds", rollout=rollout, phase=p) for p in ("rollout", "update")]
         assert sum(phases) == pytest.approx(value("long_tail", "seconds", rollout=rollout))  # one measured step
+        decode = value("long_tail", "seconds", rollout=rollout, phase="rollout_decode")
+        assert 0 < value("long_tail", "seconds", rollout=rollout, phase="rollout_decode_step") < decode < phases[0]
     assert value("long_tail", "fraction", rollout="wait_longest", count="carried") == 0
     assert value("long_tail", "fraction", rollout="wait_longest", count="stale_tokens") == 0
     assert 0 < value("long_tail", "fraction", rollout="partial", count="carried") <= 0.1 + 1e-9

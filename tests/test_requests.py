@@ -251,6 +251,20 @@ def test_calls_outside_rollout_raise():
     assert not engine.has_unfinished_requests()
 
 
+def test_rollout_notes_its_whole_counters_at_exit():
+    """engine.stats' rollout_* keys: the whole last rollout (two generate calls), where steps/decode_s are the
+    last call's."""
+    engine = make_engine()
+    calls = []
+    with engine.rollout():
+        for lens in ([3, 5], [4]):
+            engine.generate(prompts_for(lens), GREEDY)
+            calls.append((engine.stats["steps"], engine.stats["decode_s"]))
+    assert engine.stats["rollout_steps"] == sum(s for s, _ in calls) and calls[1][0] > 0
+    assert engine.stats["rollout_decode_s"] == pytest.approx(sum(d for _, d in calls))
+    assert engine.stats["rollout_preemptions"] == 0 and engine.stats["rollout_cuda_graph_capture_s"] == 0.0
+
+
 def test_rollout_freezes_the_heap_out_of_the_gc_and_thaws_it():
     """Inside rollout() the objects that existed at entry are frozen out of the collector (the per-step outputs
     do not make full collections walk them); exit thaws the permanent generation, also after an error. A
