@@ -165,6 +165,8 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
         step(0)  # warm-up: this setting's first transfer, CUDA graphs of the batch
         with ctx.peak() as pm:
             steps, transfers = zip(*[step(i) for i in range(1, 1 + ctx.reps(3))])
+        with engine.rollout():  # untimed: its entry notes the last step's copy back
+            transfers += ({k: engine.stats[k] for k in TRANSFERS if k in engine.stats},)
         case = dict(part="grpo_step", offload=mode, prompts_per_gpu=w.prompts, prompt=w.prompt, samples=w.n,
                     new_tokens=w.new_tokens)
         totals = [sum(s.values()) for s in steps]
