@@ -16,7 +16,7 @@ count prefill_saved (hit / prompt); the peaks.
 `long_tail` (GPU_TAIL): GRPO steps of 64 prompts (128 tokens) x 4 samples whose lengths are drawn from a
 lognormal (median 128, sigma 1, clipped to [1, 1024]: ~2% of the samples reach 1024), each step
     rollout (generate_async tasks) -> ppo_step on the finished samples (old log-probs: the rollout's)
-(HE_BENCH_TAIL=MEDIAN,MAX_TOKENS sets other lengths on the GPU) with the rollout waiting for the longest sample (case rollout wait_longest) against stopping once 90% of
+(HE_BENCH_TAIL=MEDIAN,MAX_TOKENS sets other lengths) with the rollout waiting for the longest sample (case rollout wait_longest) against stopping once 90% of
 the samples in flight have finished and carrying the rest into the next rollout (`rollout(
 keep_unfinished=True)`; case rollout partial; in steady state ~28 samples carried, ~256 trained per
 step). Each sample is its own n = 1 request: SamplingParams holds one max_tokens per request (the prefix
@@ -100,8 +100,8 @@ GPU_TURNS = TurnWork(sessions=256, turns=4, observation=128, reply=128)
 CPU_TURNS = TurnWork(sessions=4, turns=3, observation=16, reply=16)
 GPU_TAIL = TailWork(prompts=64, n=4, prompt=128, median=128, sigma=1.0, max_tokens=1024)
 TAIL_LENGTHS = os.environ.get("HE_BENCH_TAIL")
-"""'MEDIAN,MAX_TOKENS' of the GPU long tail's lengths instead of GPU_TAIL's 128,1024 (e.g. 512,4096: responses
-as long as reasoning RL's, where the rollout is most of the step); the rows' case holds both."""
+"""'MEDIAN,MAX_TOKENS' of the long tail's lengths instead of GPU_TAIL's 128,1024 (CPU_TAIL's on CPU); e.g.
+512,4096: responses as long as reasoning RL's, where the rollout is most of the step. The rows' case holds both."""
 CPU_TAIL = TailWork(prompts=4, n=4, prompt=8, median=6, sigma=1.0, max_tokens=32)
 GPU_STEP = StepWork(seqs=256, prompt=128, new_tokens=256, groups=8, every=4)
 CPU_STEP = StepWork(seqs=8, prompt=8, new_tokens=24, groups=4, every=2)
@@ -310,7 +310,7 @@ async def _tail_steps(ctx: Ctx, engine, w: TailWork, partial: bool, num_steps: i
 def long_tail(ctx: Ctx) -> None:
     bench = "long_tail"
     w = GPU_TAIL if ctx.cuda else CPU_TAIL
-    if ctx.cuda and TAIL_LENGTHS:
+    if TAIL_LENGTHS:
         median, max_tokens = (int(x) for x in TAIL_LENGTHS.split(","))
         w = dataclasses.replace(w, median=median, max_tokens=max_tokens)
     for model in _models(ctx, bench):

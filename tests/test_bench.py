@@ -38,10 +38,11 @@ def check_row(row: dict) -> None:
         assert row["p20"] <= row["value"] <= row["p80"], row
 
 
-def run_suite(tmp_path: Path, suite: str, scale: float, timeout: int) -> list[dict]:
-    """`python -m bench run --suite S --cpu` in a subprocess; its rows, each checked against the schema."""
+def run_suite(tmp_path: Path, suite: str, scale: float, timeout: int, **env_vars: str) -> list[dict]:
+    """`python -m bench run --suite S --cpu` in a subprocess (`env_vars` set there); its rows, each checked
+    against the schema."""
     out = tmp_path / "rows.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HE_COMMIT": "test"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HE_COMMIT": "test", **env_vars}
     env.pop("HE_BENCH_RUN_ID", None)
     proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", suite, "--scale", str(scale), "--cpu",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
@@ -124,6 +125,13 @@ def test_requests_suite_rows_on_cpu(tmp_path):
                  dict(api="step", arrival="staggered", output_kind="delta")):
         assert value("request_api", "seconds", timing="decode_step", **case) > 0
         assert value("request_api", "tokens_per_s", **case) > 0
+
+
+def test_long_tail_lengths_from_the_environment(tmp_path):
+    """HE_BENCH_TAIL=MEDIAN,MAX_TOKENS replaces the long tail's lengths; the rows' case says which ran."""
+    rows = run_suite(tmp_path, "long_tail", 0.3, 120, HE_BENCH_TAIL="3,12")
+    cases = {(r["case"]["median"], r["case"]["max_tokens"]) for r in rows if r["metric"] == "seconds"}
+    assert cases == {(3, 12)}
 
 
 def test_offload_rollout_suite_rows_on_cpu(tmp_path):
