@@ -430,7 +430,9 @@ class HybridEngine:
         makes O(requests) output objects, and the full collections they trigger would otherwise walk the
         whole trainer's heap (the model, the optimizer, the data) on the decode path. Python cannot thaw a
         part of the frozen set, so objects frozen before entry (by the caller, or by a library at import)
-        are thawed too; a caller who wants them frozen past the block calls `gc.freeze()` after it."""
+        are thawed too; a caller who wants them frozen past the block calls `gc.freeze()` after it. The
+        collector is the process's: another engine's rollout that ends inside this one thaws the heap early
+        (this costs time, not correctness)."""
         self._guard.agree("rollout", self._check_rollout)
         ok = False
         gc.freeze()
