@@ -516,3 +516,13 @@ def test_probe_exact_decode_harness_finds_the_engines_launch_exact(capsys, monke
     lines = capsys.readouterr().out.splitlines()
     engine = [line for line in lines if " forward_tile: " in line]
     assert len(engine) == 2 and all(line.endswith(": 4/4 sequences bitwise equal") for line in engine), lines
+
+
+def test_probe_offload_transfers_harness_on_cpu(capsys):
+    """The probe on CPU (a few MiB of state, synchronous copies): the allocation and both copies timed."""
+    from bench import probe_offload_transfers
+
+    probe_offload_transfers.main([])
+    out = capsys.readouterr().out
+    for what in ("alloc allocate_state: ", "copy copy_out: ", "copy copy_back: "):
+        assert what in out, out

@@ -1,0 +1,144 @@
+"""Probe: what offload "rollout"'s round trip costs on this machine, part by part.
+
+    python -m bench.probe_offload_transfers [--gib 32]      (CUDA; on CPU a harness check with a few MiB)
+
+bench offload found the GRPO step 38% slower with offload "rollout" at Qwen2-7B (71 GiB of state each way),
+the way back not hidden behind `log_probs`. This probe measures, with state laid out as the optimizer's
+(3 kinds x 30 units in one registered host allocation, `train.offload.HostBuffer`), under the engine's
+allocator setting (expandable segments):
+- alloc: host seconds to allocate the state on the device after `torch.cuda.empty_cache()` (what the
+  first training call after a rollout does before it can queue its own work), and the empty_cache itself;
+- copy: device seconds and GB/s of the chunked copies on a side stream, device to host and host to device;
+- overlap: a bf16 GEMM loop of about a second on the compute stream alone, then with the copy back running
+  on the side stream: both durations, so whether the copy hides behind compute and what it costs it.
+Rows (JSONL): bench/results/probe_offload_transfers.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import append_jsonl
+
+UNITS = 30
+KINDS = ("exp_avg", "exp_avg_sq", "master_lo")
+
+
+def _elapsed(fn, stream=None) -> float:
+    """Device seconds of what fn queues on `stream` (the current one by default), waited for."""
+    stream = stream or torch.cuda.current_stream()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record(stream)
+    with torch.cuda.stream(stream):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    from hybridengine.train import offload as off
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=32.0, help="state size (fp32), split over kinds and units")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "probe_offload_transfers.jsonl"))
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # as the engine does
+    device = torch.device("cuda" if cuda else "cpu")
+    gib = args.gib if cuda else 8 / 1024
+    numel = int(gib * 2**30 / 4 / (len(KINDS) * UNITS))
+    shapes = {kind: (torch.float32, [numel] * UNITS) for kind in KINDS}
+    nbytes = numel * 4 * len(KINDS) * UNITS
+    meta = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                commit=os.environ.get("HE_COMMIT", "unknown"), run_id=os.environ.get("HE_BENCH_RUN_ID", "probe"),
+                state_GiB=nbytes / 2**30, tensors=len(KINDS) * UNITS, chunk_MiB=off.CHUNK_BYTES / 2**20)
+    host = off.HostBuffer(shapes, device=device)
+    views = [host.views[kind, u] for kind in KINDS for u in range(UNITS)]
+    rows = []
+
+    def record(part: str, what: str, values: list[float], **extra) -> None:
+        row = dict(meta, part=part, what=what, seconds=statistics.median(values), values=values, **extra)
+        rows.append(row)
+        rate = f", {nbytes / row['seconds'] / 1e9:.1f} GB/s" if "copy" in what else ""
+        print(f"{part} {what}: {row['seconds'] * 1e3:.1f} ms{rate}")
+
+    def allocate() -> list[torch.Tensor]:
+        return [torch.empty(numel, dtype=torch.float32, device=device) for _ in views]
+
+    # alloc: after empty_cache, as after a rollout's exit
+    alloc, empty = [], []
+    for _ in range(args.repeats):
+        if cuda:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.cuda.empty_cache()
+            empty.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        state = allocate()
+        alloc.append(time.perf_counter() - t0)
+        del state
+    record("alloc", "allocate_state", alloc)
+    if cuda:
+        record("alloc", "empty_cache_before", empty)
+
+    state = allocate()
+    for t in state:
+        t.fill_(1.0)
+    h2d, d2h = off._Streams.of(device)
+
+    def copy(dst, src) -> None:
+        for d, s in zip(dst, src):
+            for a, b in off._chunks(s, off.CHUNK_BYTES):
+                off.copy_chunk(d[a:b], s[a:b], non_blocking=cuda)
+
+    if not cuda:  # the harness: the copies are synchronous, nothing overlaps
+        for what, dst, src in (("copy_out", views, state), ("copy_back", state, views)):
+            t0 = time.perf_counter()
+            copy(dst, src)
+            record("copy", what, [time.perf_counter() - t0])
+        return
+    torch.cuda.synchronize()
+    out = [_elapsed(lambda: copy(views, state), d2h) for _ in range(args.repeats)]
+    back = [_elapsed(lambda: copy(state, views), h2d) for _ in range(args.repeats)]
+    record("copy", "copy_out", out)
+    record("copy", "copy_back", back)
+
+    # overlap: a GEMM loop alone, then with the copy back on the side stream
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    one = _elapsed(lambda: [a @ b for _ in range(10)]) / 10
+    iters = max(1, int(statistics.median(back) / one))  # a loop about as long as the copy
+
+    def gemms() -> None:
+        for _ in range(iters):
+            a @ b
+
+    alone = [_elapsed(gemms) for _ in range(args.repeats)]
+    together_gemm, together_copy = [], []
+    for _ in range(args.repeats):
+        torch.cuda.synchronize()
+        cb, ce = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cb.record(h2d)
+        with torch.cuda.stream(h2d):
+            copy(state, views)
+        ce.record(h2d)
+        together_gemm.append(_elapsed(gemms))
+        ce.synchronize()
+        together_copy.append(cb.elapsed_time(ce) / 1e3)
+    record("overlap", "gemm_loop_alone", alone, gemm_iters=iters)
+    record("overlap", "gemm_loop_with_copy_back", together_gemm, gemm_iters=iters)
+    record("overlap", "copy_back_with_gemm_loop", together_copy, gemm_iters=iters)
+    append_jsonl(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
