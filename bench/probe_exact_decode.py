@@ -25,9 +25,15 @@ from bench.common import append_jsonl
 
 SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "qwen2-7b": (28, 4, 128)}
 """Query heads, KV heads, head_dim."""
-CONFIGS = (None, dict(BLOCK_M=16), dict(BLOCK_M=32), dict(BLOCK_M=16, num_warps=1), dict(BLOCK_M=16, num_stages=2))
-"""None: the shared forward tile (the engine's launch). The others override it in the decode alone."""
-LENS = [1, 63, 64, 65, 200, 257, 511, 700]
+CONFIGS = (None, dict(BLOCK_M=16), dict(BLOCK_M=32), dict(BLOCK_M=16, num_warps=1), dict(BLOCK_M=16, num_stages=2),
+           dict(BLOCK_M=16, num_warps=1, num_stages=2), dict(BLOCK_M=16, num_warps=1, num_stages=4),
+           dict(BLOCK_M=32, num_warps=2))
+"""None: the shared forward tile (the engine's launch). The others override it in the decode alone. Why one
+warp per 16 rows (16/1, 32/2) may keep the bits: in the forward tile's 64 x 64 MMA each of the 4 warps owns
+16 whole rows, so a row's max and sum run within one warp's fragment in both; the probe checks it."""
+LENS = [1, 63, 64, 65, 200, 257, 511, 700] + [int(x) for x in torch.randint(
+    2, 2049, (24,), generator=torch.Generator().manual_seed(5))]
+"""Context lengths: the tile edges, then 24 drawn up to 2,048."""
 PAGE = 16
 
 
