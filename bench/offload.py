@@ -127,6 +127,10 @@ TRANSFERS = ("offload_start_out_s", "offload_copy_out_s", "offload_start_back_s"
 direction (allocation, launch) and device seconds of the copies (CUDA)."""
 
 
+def _transfers(engine) -> dict[str, float]:
+    return {k: engine.stats[k] for k in TRANSFERS if k in engine.stats}
+
+
 def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
     """bench ppo_e2e's step with each offload setting (the same engine)."""
     import hybridengine as he
@@ -146,7 +150,7 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
         t0 = time.perf_counter()
         with engine.rollout():
             t["enter"] = time.perf_counter() - t0
-            transfers = {k: engine.stats[k] for k in TRANSFERS if k in engine.stats}
+            transfers = _transfers(engine)
             t1 = time.perf_counter()
             outs = engine.generate(prompts, params)
             ctx.sync()
@@ -166,7 +170,7 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
         with ctx.peak() as pm:
             steps, transfers = zip(*[step(i) for i in range(1, 1 + ctx.reps(3))])
         with engine.rollout():  # untimed: its entry notes the last step's copy back
-            transfers += ({k: engine.stats[k] for k in TRANSFERS if k in engine.stats},)
+            transfers += (_transfers(engine),)
         case = dict(part="grpo_step", offload=mode, prompts_per_gpu=w.prompts, prompt=w.prompt, samples=w.n,
                     new_tokens=w.new_tokens)
         totals = [sum(s.values()) for s in steps]

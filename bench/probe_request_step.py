@@ -2,8 +2,7 @@
 
     python -m bench.probe_request_step [--models M ...]     (CUDA; on CPU the tiny model, a harness check)
 
-The request_api bench finds `step()`'s decode step slower than `generate`'s at the same batch. Both run
-`RolloutSession.step` (async decode: step k+1 is launched before step k's tokens are read); `step()` adds
+`step()` and `generate` both run `RolloutSession.step` (async decode: step k+1 is launched before step k's tokens are read); `step()` adds
 the outputs of the requests that progressed. If the loop overlaps host and device, the outputs' host time
 hides behind the step in flight and only `_Sampled.wait` shrinks. This probe times, per decode step of 256
 requests (all running), the whole iteration, `RolloutSession.step`, the wait for the step's tokens inside it,

@@ -469,7 +469,7 @@ class HybridEngine:
                 if session is not None:
                     # The whole rollout's counters (generate() notes its own call's as steps, decode_s, ...).
                     self.stats.update({f"rollout_{k}": v for k, v in session.counters().items()},
-                                      rollout_cuda_graph_capture_s=runner.graph_capture_s if runner is not None else 0.0)
+                                      rollout_cuda_graph_capture_s=runner.graph_capture_s)  # set with the session
                     self._kept = self._close(session, keep_unfinished, ok)
             finally:
                 try:
