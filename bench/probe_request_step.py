@@ -2,11 +2,12 @@
 
     python -m bench.probe_request_step [--models M ...]     (CUDA; on CPU the tiny model, a harness check)
 
-`step()` and `generate` both run `RolloutSession.step` (async decode: step k+1 is launched before step k's tokens are read); `step()` adds
-the outputs of the requests that progressed. If the loop overlaps host and device, the outputs' host time
-hides behind the step in flight and only `_Sampled.wait` shrinks. This probe times, per decode step of 256
-requests (all running), the whole iteration, `RolloutSession.step`, the wait for the step's tokens inside it,
-the outputs, and the garbage collector's pauses, for `generate` and for `step()` with delta outputs.
+`step()` and `generate` both run `RolloutSession.step` (async decode: step k+1 is launched before step k's
+tokens are read); `step()` adds the outputs of the requests that progressed. If the loop overlaps host and
+device, the outputs' host time hides behind the step in flight and only `_Sampled.wait` shrinks. This probe
+times, per decode step of 256 requests (all running), the whole iteration, `RolloutSession.step`, the wait for
+the step's tokens inside it, the outputs, and the garbage collector's pauses, for `generate` and for `step()`
+with delta outputs.
 Rows (JSONL): bench/results/probe_request_step.jsonl.
 """
 

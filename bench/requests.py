@@ -14,18 +14,20 @@ blocks. Rows (case prefix_caching): `seconds` per pass; `tokens_per_s` count res
 count prefill_saved (hit / prompt); the peaks.
 
 `long_tail` (GPU_TAIL): GRPO steps of 64 prompts (128 tokens) x 4 samples whose lengths are drawn from a
-lognormal (median 128, sigma 1, clipped to [1, 1024]: ~2% of the samples reach 1024), each step
+lognormal (median 128, sigma 1, clipped to [1, 1024]: ~2% of the samples reach 1024; HE_BENCH_TAIL=MEDIAN,
+MAX_TOKENS sets other lengths), each step
     rollout (generate_async tasks) -> ppo_step on the finished samples (old log-probs: the rollout's)
-(HE_BENCH_TAIL=MEDIAN,MAX_TOKENS sets other lengths) with the rollout waiting for the longest sample (case rollout wait_longest) against stopping once 90% of
-the samples in flight have finished and carrying the rest into the next rollout (`rollout(
-keep_unfinished=True)`; case rollout partial; in steady state ~28 samples carried, ~256 trained per
+with the rollout waiting for the longest sample (case rollout wait_longest) against stopping once 90% of
+the samples in flight have finished and carrying the rest into the next rollout
+(`rollout(keep_unfinished=True)`; case rollout partial; in steady state ~28 samples carried, ~256 trained per
 step). Each sample is its own n = 1 request: SamplingParams holds one max_tokens per request (the prefix
 cache shares a prompt's blocks between its 4 requests as a fork would). Step k draws the same prompts and
 lengths in both settings; per setting one warm-up step (for the partial rollout, the one that fills the
 carry), then the measured steps. Rows: `seconds` per step and per phase (rollout; update: the batch and
-`ppo_step`); `tokens_per_s` count response and all (prompt + response tokens of the trained samples per
-second of step); `fraction` count carried (samples carried out of a rollout / samples in it) and
-stale_tokens (trained tokens sampled by an older policy version); the peaks.
+`ppo_step`; rollout_decode, rollout_graph_capture, rollout_decode_step: inside the rollout); `tokens_per_s`
+count response and all (prompt + response tokens of the trained samples per second of step); `fraction`
+count carried (samples carried out of a rollout / samples in it) and stale_tokens (trained tokens sampled
+by an older policy version); the peaks.
 
 `request_api` (GPU_STEP): 256 prompts of 128 tokens x 256 new tokens, three ways in one rollout: the batch
 `generate` (case api generate), `add_request` of every prompt then a `step()` loop (api step, arrival
@@ -285,7 +287,8 @@ async def _tail_steps(ctx: Ctx, engine, w: TailWork, partial: bool, num_steps: i
         ctx.sync()
         t1 = time.perf_counter()
         stats = engine.stats
-        inside = dict(rollout_decode=stats["rollout_decode_s"], rollout_graph_capture=stats["rollout_cuda_graph_capture_s"],
+        inside = dict(rollout_decode=stats["rollout_decode_s"],
+                      rollout_graph_capture=stats["rollout_cuda_graph_capture_s"],
                       rollout_decode_step=stats["rollout_decode_s"] / max(1, stats["rollout_steps"]))
         finished = [t.result() for t in live if t.done()]
         carried = [t for t in live if not t.done()]
