@@ -227,6 +227,15 @@ def multi_turn(ctx: Ctx) -> None:
 
 # -- long-tail GRPO steps: partial rollouts against waiting for the longest ----------------------------------
 
+def _tail_lengths(text: str) -> dict[str, int]:
+    """HE_BENCH_TAIL's 'MEDIAN,MAX_TOKENS' as TailWork fields."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts) or int(parts[0]) > int(parts[1]):
+        raise ValueError(f"HE_BENCH_TAIL must be 'MEDIAN,MAX_TOKENS', two positive integers with MEDIAN <= "
+                         f"MAX_TOKENS, got {text!r}")
+    return dict(median=int(parts[0]), max_tokens=int(parts[1]))
+
+
 def _lengths(w: TailWork, seed: int) -> list[int]:
     """Per-sample max_tokens: lognormal around the median, clipped to [1, max_tokens]."""
     z = torch.randn(w.prompts * w.n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
@@ -314,8 +323,7 @@ def long_tail(ctx: Ctx) -> None:
     bench = "long_tail"
     w = GPU_TAIL if ctx.cuda else CPU_TAIL
     if TAIL_LENGTHS:
-        median, max_tokens = (int(x) for x in TAIL_LENGTHS.split(","))
-        w = dataclasses.replace(w, median=median, max_tokens=max_tokens)
+        w = dataclasses.replace(w, **_tail_lengths(TAIL_LENGTHS))
     for model in _models(ctx, bench):
         # Room for a step's samples and the carried ones at once (~284 in steady state on a GPU).
         engine = _engine(ctx, model, max_model_len=w.prompt + w.max_tokens, max_num_seqs=2 * w.prompts * w.n)

@@ -134,6 +134,14 @@ def test_long_tail_lengths_from_the_environment(tmp_path):
     assert cases == {(3, 12)}
 
 
+@pytest.mark.parametrize("text", ["512", "512,4096,1", "a,4096", "0,16", "64,16"])
+def test_long_tail_lengths_reject_bad_values(text):
+    from bench.requests import _tail_lengths
+
+    with pytest.raises(ValueError, match="HE_BENCH_TAIL must be 'MEDIAN,MAX_TOKENS'"):
+        _tail_lengths(text)
+
+
 def test_offload_rollout_suite_rows_on_cpu(tmp_path):
     """bench offload_rollout on a tiny model: every part with both settings, and the transfer rows (where the
     round trip's time goes) for offload 'rollout' only."""
