@@ -2,9 +2,12 @@
 
 `offload_rollout` (one engine, offload='rollout'; 'none' is the same engine with the offload switched
 off in its config, so both see the same weights, optimizer state and allocator):
-- part kv_capacity: the KV cache `rollout()` sizes after a `ppo_step` (the optimizer state exists),
-  offload 'rollout' against 'none': GiB and tokens, `memory_report()` inside the rollout (rows with
-  case source memory_report), the time the rollout's entry waited for the copies out (offload_wait).
+- part kv_capacity: the KV cache `rollout()` holds after a `ppo_step` (the optimizer state exists),
+  offload 'rollout' against 'none': GiB and tokens at the rollout's exit (on CUDA the 'rollout' cache
+  starts in the memory free at entry, count kv_tokens_at_entry, and grows into the state's memory at
+  the first step after the copy out: a one-token generate after a device sync), `memory_report()`
+  inside the rollout (rows with case source memory_report), the time the rollout's entry waited for
+  the copies out (offload_wait).
 - part grpo_step: bench ppo_e2e's workload (32 prompts x 4 samples x 256 new tokens per GPU, log-probs,
   one update) with each setting: seconds per step and per phase, tokens/s; the transfers' share of
   the step is (step 'rollout' - step 'none') / step 'none'. Each phase ends in a device-wide sync but
@@ -98,12 +101,18 @@ def offload_rollout(ctx: Ctx) -> None:
             release_memory()
             ctx.sync()
             with engine.rollout():
+                if mode == "rollout":  # a growing cache takes the state's memory at a step after the copy out
+                    torch.cuda.synchronize() if ctx.cuda else None
+                    engine.generate([[1, 2]], he.SamplingParams(max_tokens=1))
                 report = engine.memory_report()
-                stats = dict(engine.stats)
+            stats = dict(engine.stats)
             engine.trainer.optimizer.state_location()  # (`trainer`: a training call's hook brings the state back)
             case = dict(part="kv_capacity", offload=mode)
-            capacity[mode] = stats["kv_blocks"] * engine.config.block_size
-            ctx.rec.add(BENCH, "hybridengine", model, case, "GiB", ctx.slowest([stats["kv_cache_GiB"]])[0])
+            # what the cache held at the rollout's exit (a growing cache: after its growth)
+            capacity[mode] = stats["rollout_kv_blocks"] * engine.config.block_size
+            ctx.rec.add(BENCH, "hybridengine", model, case, "GiB", ctx.slowest([report["kv_cache"]])[0])
+            ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "kv_tokens_at_entry"}, "tokens",
+                        float(-ctx.slowest([-stats["kv_blocks_at_entry"] * engine.config.block_size])[0]))
             ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "kv_tokens"}, "tokens",
                         float(-ctx.slowest([-capacity[mode]])[0]))  # the smallest rank's
             for key, value in report.items():
@@ -112,8 +121,9 @@ def offload_rollout(ctx: Ctx) -> None:
             if mode == "rollout":
                 ctx.rec.add(BENCH, "hybridengine", model, {**case, "phase": "offload_wait"}, "seconds",
                             ctx.slowest([stats.get("offload_wait_s", 0.0)])[0])
-            ctx.log(f"  {BENCH} kv_capacity {model} offload={mode}: KV {stats['kv_cache_GiB']:.1f} GiB "
-                    f"({capacity[mode]:,} tokens), optimizer on device {report['optimizer']:.1f} GiB, host "
+            ctx.log(f"  {BENCH} kv_capacity {model} offload={mode}: KV {report['kv_cache']:.1f} GiB "
+                    f"({capacity[mode]:,} tokens; {stats['kv_blocks_at_entry'] * engine.config.block_size:,} at entry), "
+                    f"optimizer on device {report['optimizer']:.1f} GiB, host "
                     f"{report['host_optimizer']:.1f} GiB")
         ctx.log(f"  {BENCH} kv_capacity {model}: rollout/none = {capacity['rollout'] / capacity['none']:.2f}x")
         _grpo_steps(ctx, engine, model, w, ppo)
@@ -150,11 +160,11 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
         t0 = time.perf_counter()
         with engine.rollout():
             t["enter"] = time.perf_counter() - t0
-            transfers = _transfers(engine)
             t1 = time.perf_counter()
             outs = engine.generate(prompts, params)
             ctx.sync()
             t["generate"] = time.perf_counter() - t1
+            transfers = _transfers(engine)  # noted at the entry, or where a growing cache took the state's memory
             t2 = time.perf_counter()
         ctx.sync()
         t["exit"] = time.perf_counter() - t2
@@ -169,7 +179,8 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
         step(0)  # warm-up: this setting's first transfer, CUDA graphs of the batch
         with ctx.peak() as pm:
             steps, transfers = zip(*[step(i) for i in range(1, 1 + ctx.reps(3))])
-        with engine.rollout():  # untimed: its entry notes the last step's copy back
+        with engine.rollout():  # untimed: notes the last step's copy back (a growing cache: at its growth)
+            engine.generate(prompts[:1], he.SamplingParams(max_tokens=2))
             transfers += (_transfers(engine),)
         case = dict(part="grpo_step", offload=mode, prompts_per_gpu=w.prompts, prompt=w.prompt, samples=w.n,
                     new_tokens=w.new_tokens)
@@ -211,7 +222,7 @@ def _big_rollout(ctx: Ctx, engine, model: str, seqs: int, new_tokens: int, none_
                 outs = engine.generate(prompts, params)
                 ctx.sync()
                 elapsed = time.perf_counter() - t0
-                stats = dict(engine.stats)
+            stats = dict(engine.stats)
             engine.trainer  # noqa: B018 - a training call's hook: the state comes back
             return elapsed, sum(len(s.token_ids) for o in outs for s in o.outputs), stats
 
@@ -220,7 +231,9 @@ def _big_rollout(ctx: Ctx, engine, model: str, seqs: int, new_tokens: int, none_
         times = ctx.slowest([r[0] for r in runs])
         tokens = runs[0][1]
         case = dict(part="big_rollout", offload=mode, seqs_per_gpu=batch, prompt=PROMPT, new_tokens=new_tokens,
-                    kv_GiB=round(runs[0][2]["kv_cache_GiB"], 2))
+                    kv_GiB=round(runs[0][2]["kv_cache_GiB"], 2),
+                    kv_GiB_at_exit=round(runs[0][2]["kv_cache_GiB"] * runs[0][2]["rollout_kv_blocks"]
+                                         / runs[0][2]["kv_blocks"], 2))
         ctx.rec.add(BENCH, "hybridengine", model, case, "seconds", times)
         ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "response"}, "tokens_per_s",
                     [ctx.world * tokens / t for t in times])

@@ -45,7 +45,7 @@ from hybridengine.model.decoder import CausalLM
 from hybridengine.model.loading import hf_config_dict, load_model
 from hybridengine.model.tensor_parallel import local_config, make_all_reduce, parallelize
 from hybridengine.rollout import generator
-from hybridengine.rollout.kv_cache import allocate_kv_cache
+from hybridengine.rollout.kv_cache import allocate_kv_cache, cuda_budget
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
 from hybridengine.rollout.requests import RolloutSession
 from hybridengine.rollout.runner import ModelRunner
@@ -92,6 +92,7 @@ class HybridEngine:
         self.model.eval()
         self._sampler = Sampler(config.seed, self.model.vocab_shard, exact=config.exact_logprobs)  # its RNG keys the fused sampler's unseeded rows
         self._runner: ModelRunner | None = None
+        self._kv = None  # the open rollout's KVCache (released at its exit)
         self._session: RolloutSession | None = None  # the open rollout's requests
         self._kept: list = []  # requests kept unfinished by the last rollout (`rollout(keep_unfinished=True)`)
         self._stepper: asyncio.Task | None = None  # generate_async's stepping task
@@ -261,7 +262,9 @@ class HybridEngine:
     def memory_report(self) -> dict[str, float]:
         """GiB on this rank: parameters (G mapped), optimizer state, gradients, KV cache; torch and NVML totals;
         host memory: `host_optimizer` (optimizer state in host memory now), `host_pinned_total` (the host
-        allocation the offload holds, pinned on CUDA; EngineConfig.offload)."""
+        allocation the offload holds, pinned on CUDA; EngineConfig.offload). Inside rollout(): `kv_cache` (the
+        cache's memory now) and `kv_cache_capacity` (what it grows to: with offload 'rollout' the cache
+        grows into the optimizer state's memory once its copy to host memory is done)."""
         gib = 2**30
         rep = dict(parameters_mapped=self.sharded.gen.mapped_bytes() / gib,
                    parameters_shard=self.sharded.layout.shard_numel * self.sharded.layout.element_size / gib)
@@ -275,7 +278,9 @@ class HybridEngine:
         rep["host_optimizer"] = host / gib  # offloaded to host memory (EngineConfig.offload)
         rep["host_pinned_total"] = (offload.host.nbytes if offload is not None and offload.host is not None else 0) / gib
         rep["gradients"] = sum(g.numel() * g.element_size() for g in grads) / gib
-        rep["kv_cache"] = self._runner.kv.nbytes() / gib if self._runner is not None else 0.0
+        kv = self._runner.kv if self._runner is not None else None
+        rep["kv_cache"] = kv.nbytes() / gib if kv is not None else 0.0  # the memory it holds now
+        rep["kv_cache_capacity"] = kv.capacity_bytes() / gib if kv is not None else 0.0  # what it can grow to
         if self.device.type == "cuda":
             rep["torch_allocated"] = torch.cuda.memory_allocated(self.device) / gib
             rep["torch_peak"] = torch.cuda.max_memory_allocated(self.device) / gib
@@ -382,13 +387,15 @@ class HybridEngine:
         """Start mapping the next rollout's generation pages on a host thread (`ShardedBuffer.
         prepare_generation`): call it right after the last `ppo_step` before `rollout()`, so the page
         mapping overlaps that step's queued GPU work and the switch is only the all-gather. The pages
-        hold model/tg of memory from then on. With `offload="rollout"` the optimizer state's copy to host
-        memory starts here too. No-op off CUDA / without the VMM buffer (the offload aside)."""
+        hold model/tg of memory from then on. With `offload="rollout"` and a KV cache that cannot grow
+        (`_kv_grows`: off CUDA, without VMM, under TP generation) the optimizer state's copy to host memory
+        starts here too; a growing cache starts it at rollout() entry, after the cache's first mapping. No-op
+        off CUDA / without the VMM buffer (the offload aside)."""
         if self.role == "critic":
             raise RuntimeError("prepare_rollout() needs an actor engine; this one is a critic")
         self.sharded.prepare_generation()
         trainer = self._training
-        if self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer:
+        if self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer and not self._kv_grows():
             from hybridengine.train.offload import OffloadError
 
             try:  # the copy to host starts now, behind the step's queued work; rollout() joins it
@@ -404,9 +411,23 @@ class HybridEngine:
         trainer = self._training
         if self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer:
             # Before any collective: a host that cannot hold the state (or a failed copy) raises on every
-            # rank with the state still on the device. The copies run on a side stream during the switch;
-            # rollout() joins them before it sizes the KV cache.
-            trainer.optimizer.offload.to_host(wait=False)
+            # rank with the state still on the device. The copies run on a side stream during the switch
+            # and rollout() joins them before it sizes the KV cache; a cache that grows starts them later
+            # (rollout() entry) and takes their memory when they are done.
+            if self._kv_grows():
+                trainer.optimizer.offload.prepare_host()
+            else:
+                trainer.optimizer.offload.to_host(wait=False)
+
+    def _kv_grows(self) -> bool:
+        """The rollout's KV cache starts in the memory free at entry and grows into the optimizer state's
+        once offload 'rollout' has copied it to host memory (no wait at entry): on CUDA with the VMM API,
+        one generation rank per group (under TP the ranks' caches must stay alike)."""
+        from hybridengine.sharding.generation_memory import vmm_status
+
+        trainer = self._training
+        return (self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer
+                and self._tp is None and self.device.type == "cuda" and vmm_status(self.device.index or 0)[0])
 
     @property
     def policy_version(self) -> int:
@@ -442,20 +463,27 @@ class HybridEngine:
                 self.sharded.switch_to_generation()
                 self.stats["switch_to_generation_s"] = time.perf_counter() - t0
                 t1 = time.perf_counter()
-                self._join_offload()  # the KV cache is sized with the optimizer state's memory free
+                grow = None
+                if self._kv_grows():
+                    kv, grow = self._growing_kv_cache()
+                else:
+                    self._join_offload()  # the KV cache is sized with the optimizer state's memory free
+                    kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank)
                 self.stats["offload_wait_s"] = time.perf_counter() - t1
-                kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank)
+                self._kv = kv
                 t1 = time.perf_counter()
                 self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
                                            max_model_len=self.config.max_model_len,
                                            use_cuda_graphs=self.config.cuda_graphs,
                                            lazy_cuda_graphs=self.config.lazy_cuda_graphs,
                                            exact=self.config.exact_logprobs)
-                self.stats.update(kv_cache_GiB=kv.nbytes() / 2**30, kv_blocks=kv.num_blocks,
+                self.stats.update(kv_cache_GiB=kv.capacity_bytes() / 2**30, kv_blocks=kv.capacity,
+                                  kv_blocks_at_entry=kv.num_blocks,
                                   cuda_graph_capture_s=self._runner.graph_capture_s,
                                   runner_setup_s=time.perf_counter() - t1)
             self._session = RolloutSession(self._runner, self._sampler, self.config, vocab_size=self.vocab_size,
-                                           tp=self._tp, policy_version=self.policy_version, kept=self._kept)
+                                           tp=self._tp, policy_version=self.policy_version, kept=self._kept,
+                                           grow=grow)
             self._kept = []
             if self._session.num_waiters:  # generate_async tasks wait on kept requests
                 self._drive_async()
@@ -469,7 +497,8 @@ class HybridEngine:
                 if session is not None:
                     # The whole rollout's counters (generate() notes its own call's as steps, decode_s, ...).
                     self.stats.update({f"rollout_{k}": v for k, v in session.counters().items()},
-                                      rollout_cuda_graph_capture_s=runner.graph_capture_s)  # set with the session
+                                      rollout_cuda_graph_capture_s=runner.graph_capture_s,  # set with the session
+                                      rollout_kv_blocks=runner.kv.num_blocks)
                     self._kept = self._close(session, keep_unfinished, ok)
             finally:
                 try:
@@ -479,6 +508,40 @@ class HybridEngine:
                     del runner
                     gc.unfreeze()
                     self._leave_rollout()
+
+    def _growing_kv_cache(self):
+        """offload 'rollout' with a growing cache (`_kv_grows`): start the optimizer state's copy to host
+        memory, and return a cache that starts in the memory free now and the `grow` callback of the
+        rollout's scheduler, which takes the state's memory once the copy is done."""
+        offload = self._training.optimizer.offload
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the cache maps memory outside torch's allocator: give its idle blocks back
+        freed = offload.device_state_bytes()
+        offload.to_host(wait=False)
+        kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank, freed_bytes=freed)
+        per_block = kv.capacity_bytes() // kv.capacity
+
+        grown = False
+
+        def grow(wait: bool) -> int:
+            nonlocal grown
+            if grown:
+                return 0
+            if not wait and not offload.transfer_done():
+                return kv.num_blocks
+            t0 = time.perf_counter()
+            self._join_offload()  # the state's device memory goes back to torch's allocator ...
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # ... and to the driver, for the cache to map
+                budget = cuda_budget(self.config, self.model.config, self.device)
+            else:  # (tests) off CUDA the cache holds its whole capacity from the start
+                budget = kv.capacity_bytes()
+            kv.grow_to(kv.num_blocks + max(budget, 0) // per_block)
+            self.stats["kv_grow_s"] = time.perf_counter() - t0
+            grown = True
+            return kv.num_blocks
+
+        return kv, grow
 
     def _join_offload(self) -> None:
         """Wait for the optimizer state's copy out, then note in `stats` what the round trip cost: the host
@@ -517,7 +580,10 @@ class HybridEngine:
             # (the next switch maps generation pages outside torch's allocator). No gc.collect here:
             # the cache and the graphs are freed by reference, and a full collection per switch is slow.
             torch.cuda.synchronize(self.device)
+            if self._kv is not None:
+                self._kv.release()  # a VMM cache's memory, now that nothing in flight touches it
             torch.cuda.empty_cache()
+        self._kv = None
         if self.sharded.state == "generation":
             self.sharded.switch_to_training()
 
@@ -659,7 +725,7 @@ class HybridEngine:
                   consistent=lambda fn, *args, **kwargs: fn(*args, **kwargs)) -> list[RequestOutput]:
         """`generate`'s batch, checked (under TP on every rank alike: `consistent`) and run to completion."""
         consistent(generator.check_requests, prompts, params, vocab_size=self.vocab_size, config=self.config,
-                   num_blocks=self._runner.kv.num_blocks)
+                   num_blocks=self._runner.kv.capacity)
         outputs, stats = generator.generate(session, prompts, params, progress=progress and self.rank == 0)
         self.stats.update(stats, prefix_cache_hit_tokens=self._cache_hits + session.prefix_cache_hit_tokens)
         return outputs

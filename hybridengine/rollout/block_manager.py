@@ -56,6 +56,15 @@ class BlockManager:
         sequence that held blocks then, and its forks) never registers a block."""
         self.num_cached_tokens_hit = 0
 
+    def extend(self, num_blocks: int) -> None:
+        """The cache grew: blocks [self.num_blocks, num_blocks) are free (no-op when not more)."""
+        if num_blocks > self.num_blocks:
+            added = num_blocks - self.num_blocks
+            self.ref_counts += [0] * added
+            self.block_keys += [None] * added
+            self.free_ids.extend(range(self.num_blocks, num_blocks))
+            self.num_blocks = num_blocks
+
     @property
     def num_free(self) -> int:
         """Blocks `_take` can hand out: free ones and evictable cached ones."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -113,12 +114,13 @@ class RolloutSession:
     """The scheduler, the live requests and the async-decode step of one rollout."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, config: EngineConfig, *, vocab_size: int,
-                 tp: generator.TPGroup | None, policy_version: int, kept: list[Request] = ()):
+                 tp: generator.TPGroup | None, policy_version: int, kept: list[Request] = (),
+                 grow: Callable[[bool], int] | None = None):
         self.runner, self.sampler, self.config, self.tp = runner, sampler, config, tp
         self.vocab_size, self.policy_version = vocab_size, policy_version
         blocks = BlockManager(runner.kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs,
-                               max_num_batched_tokens=config.max_num_batched_tokens)
+                               max_num_batched_tokens=config.max_num_batched_tokens, grow=grow)
         self.requests: dict[str | int, Request] = {}
         """Live (unfinished) requests in the scheduler."""
         self.pending: dict[str, Request] = {}
@@ -155,7 +157,7 @@ class RolloutSession:
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
             prompt = prompt.tolist()
         generator.check_request(prompt, params, name="prompt_token_ids", params_name="sampling_params",
-                                vocab_size=self.vocab_size, config=self.config, num_blocks=self.runner.kv.num_blocks)
+                                vocab_size=self.vocab_size, config=self.config, num_blocks=self.runner.kv.capacity)
         return list(prompt)
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, *, stream: bool,

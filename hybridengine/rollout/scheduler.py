@@ -11,6 +11,7 @@ re-enters the same way (`rollout.requests`).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridengine.rollout.block_manager import BlockManager
@@ -30,8 +31,13 @@ class Batch:
 class Scheduler:
     """Prefill first (whole prompts, up to a token budget), else one decode step for every running sequence."""
 
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 grow: Callable[[bool], int] | None = None):
         self.blocks = blocks
+        self.grow = grow
+        """A cache that can grow while it runs (`KVCache.grow_to`): grow(wait) returns the blocks usable now,
+        0 once it never grows again; with `wait` it blocks until it grows or never will. Each schedule
+        takes what is there; a step that would preempt, or a queue that cannot start, waits instead."""
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -59,7 +65,19 @@ class Scheduler:
                 return False
         return self.blocks.num_append_blocks(self.running) <= self.blocks.num_free
 
+    def _grow(self, wait: bool) -> bool:
+        """Take the growth of the cache (see `grow`); True when blocks were added."""
+        if self.grow is None:
+            return False
+        num_blocks, before = self.grow(wait), self.blocks.num_blocks
+        self.blocks.extend(num_blocks)
+        added = self.blocks.num_blocks > before
+        if not num_blocks or (wait and not added):
+            self.grow = None  # it has nothing more to give
+        return added
+
     def schedule(self) -> Batch:
+        self._grow(False)
         prefill, tokens = [], 0
         seqs = len(self.running)  # a prompt awaiting its fork counts as its `fork` samples
         while self.waiting and seqs + self.waiting[0].fork <= self.max_num_seqs:
@@ -78,6 +96,8 @@ class Scheduler:
             self.running.extend(prefill)
             return Batch(prefill, True)
         if not self.running:
+            if self._grow(True):
+                return self.schedule()  # the cache grew: admit again
             # Nothing runs and the head of the queue cannot get its blocks: it never will.
             seq = self.waiting[0]
             raise RuntimeError(f"request {seq.request}: {seq.blocks_needed(self.blocks.block_size)} KV blocks "
@@ -89,6 +109,8 @@ class Scheduler:
                 decode.append(seq)
                 continue
             while not self.blocks.can_append(seq):
+                if self._grow(True):
+                    continue  # the cache grew: no preemption
                 if self.running:
                     self._preempt(self.running.pop())
                 else:

@@ -176,6 +176,18 @@ class StateOffload:
     def in_flight(self) -> bool:
         return self._pending is not None
 
+    def transfer_done(self) -> bool:
+        """No transfer in flight, or its copies are done (`join` then waits for nothing)."""
+        return self._pending is None or self._pending[1] is None or self._pending[1].query()
+
+    def device_state_bytes(self) -> int:
+        """Bytes of state that a move to host memory frees on the device: all of it unless it is in host
+        memory (or on its way there)."""
+        target = self._pending[0] if self._pending is not None else self.location
+        if target == "host":
+            return 0
+        return sum(t.numel() * t.element_size() for ts in self.optimizer.state_lists().values() for t in ts)
+
     def to_host(self, *, wait: bool = True) -> None:
         """Start moving the state to host memory (no-op when it is there or on its way); `wait`: join."""
         self._start("host")
