@@ -101,16 +101,14 @@ def offload_rollout(ctx: Ctx) -> None:
             release_memory()
             ctx.sync()
             with engine.rollout():
-                if mode == "rollout":  # a growing cache takes the state's memory at a step after the copy out
-                    torch.cuda.synchronize() if ctx.cuda else None
-                    engine.generate([[1, 2]], he.SamplingParams(max_tokens=1))
                 report = engine.memory_report()
             stats = dict(engine.stats)
             engine.trainer.optimizer.state_location()  # (`trainer`: a training call's hook brings the state back)
             case = dict(part="kv_capacity", offload=mode)
-            # what the cache held at the rollout's exit (a growing cache: after its growth)
-            capacity[mode] = stats["rollout_kv_blocks"] * engine.config.block_size
-            ctx.rec.add(BENCH, "hybridengine", model, case, "GiB", ctx.slowest([report["kv_cache"]])[0])
+            # what the cache holds, or (on CUDA with 'rollout') grows to when it is full: big_rollout's
+            # kv_GiB_at_exit shows a rollout that grew into it
+            capacity[mode] = stats["kv_blocks"] * engine.config.block_size
+            ctx.rec.add(BENCH, "hybridengine", model, case, "GiB", ctx.slowest([report["kv_cache_capacity"]])[0])
             ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "kv_tokens_at_entry"}, "tokens",
                         float(-ctx.slowest([-stats["kv_blocks_at_entry"] * engine.config.block_size])[0]))
             ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "kv_tokens"}, "tokens",
@@ -121,7 +119,7 @@ def offload_rollout(ctx: Ctx) -> None:
             if mode == "rollout":
                 ctx.rec.add(BENCH, "hybridengine", model, {**case, "phase": "offload_wait"}, "seconds",
                             ctx.slowest([stats.get("offload_wait_s", 0.0)])[0])
-            ctx.log(f"  {BENCH} kv_capacity {model} offload={mode}: KV {report['kv_cache']:.1f} GiB "
+            ctx.log(f"  {BENCH} kv_capacity {model} offload={mode}: KV {report['kv_cache_capacity']:.1f} GiB "
                     f"({capacity[mode]:,} tokens; {stats['kv_blocks_at_entry'] * engine.config.block_size:,} at entry), "
                     f"optimizer on device {report['optimizer']:.1f} GiB, host "
                     f"{report['host_optimizer']:.1f} GiB")
@@ -153,37 +151,44 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
     max_num_seqs = engine.config.max_num_seqs
     engine.config.max_num_seqs = w.prompts * w.n
 
-    def step(index: int) -> tuple[dict[str, float], dict[str, float]]:
-        """(the step's phases, the offload's transfer costs that this rollout's entry noted: see TRANSFERS)"""
+    def step(index: int, grow: bool) -> tuple[dict[str, float], dict[str, float]]:
+        """(the step's phases, the offload's transfer costs that this rollout noted: see TRANSFERS).
+        `grow`: a filler holds all but FORCED_KV_GIB of the free memory while the rollout sizes its cache,
+        and is freed right after, so that the rollout's cache fills and grows into the state's memory."""
         t = {}
+        filler = _filler(engine) if grow else None
         ctx.sync()
         t0 = time.perf_counter()
         with engine.rollout():
+            filler = None  # noqa: F841 - back to torch's allocator: the cache's growth frees it to the driver
             t["enter"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             outs = engine.generate(prompts, params)
             ctx.sync()
             t["generate"] = time.perf_counter() - t1
-            transfers = _transfers(engine)  # noted at the entry, or where a growing cache took the state's memory
             t2 = time.perf_counter()
         ctx.sync()
         t["exit"] = time.perf_counter() - t2
+        transfers = _transfers(engine)  # noted at the entry, a growing cache's growth, or its exit
         train_on(ctx, engine, outs, index, w.n, ppo, t)  # with prepare_rollout(): offload starts there
         return dict(zip(t, ctx.slowest(list(t.values())))), transfers
 
     medians = {}
-    for mode in ("none", "rollout"):
+    for mode, grow in (("none", False), ("rollout", False), ("rollout", True)):
+        if grow and not engine._kv_grows():
+            continue  # the cache cannot grow here (off CUDA): 'rollout' above is the whole story
         engine.config.offload = mode
-        for k in TRANSFERS:
+        for k in (*TRANSFERS, "kv_grow_s"):
             engine.stats.pop(k, None)
-        step(0)  # warm-up: this setting's first transfer, CUDA graphs of the batch
+        step(0, grow)  # warm-up: this setting's first transfer, CUDA graphs of the batch
         with ctx.peak() as pm:
-            steps, transfers = zip(*[step(i) for i in range(1, 1 + ctx.reps(3))])
-        with engine.rollout():  # untimed: notes the last step's copy back (a growing cache: at its growth)
+            steps, transfers = zip(*[step(i, grow) for i in range(1, 1 + ctx.reps(3))])
+        with engine.rollout():  # untimed: notes the last step's copy back (a growing cache: at its exit)
             engine.generate(prompts[:1], he.SamplingParams(max_tokens=2))
-            transfers += (_transfers(engine),)
+        transfers += (_transfers(engine),)
         case = dict(part="grpo_step", offload=mode, prompts_per_gpu=w.prompts, prompt=w.prompt, samples=w.n,
-                    new_tokens=w.new_tokens)
+                    new_tokens=w.new_tokens, **({"kv": f"grows from {FORCED_KV_GIB} GiB"} if grow else {}))
+        label = mode + (" (cache grows)" if grow else "")
         totals = [sum(s.values()) for s in steps]
         tokens = ctx.world * w.prompts * w.n * (w.prompt + w.new_tokens)
         ctx.rec.add(BENCH, "hybridengine", model, case, "seconds", totals)
@@ -196,12 +201,34 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
             if values:
                 ctx.rec.add(BENCH, "hybridengine", model, {**case, "transfer": key[:-2]}, "seconds",
                             ctx.slowest([statistics.median(values)]))
-        medians[mode] = quantiles(totals)[1]
+        if "kv_grow_s" in engine.stats:
+            ctx.rec.add(BENCH, "hybridengine", model, {**case, "phase": "kv_grow"}, "seconds",
+                        ctx.slowest([engine.stats["kv_grow_s"]]))
+        medians[label] = quantiles(totals)[1]
         split = ", ".join(f"{p} {quantiles([s[p] for s in steps])[1]:.3g} s" for p in steps[0])
-        ctx.log(f"  {BENCH} grpo_step {model} offload={mode}: {medians[mode]:.2f} s ({split})")
-    overhead = medians["rollout"] / medians["none"] - 1
-    ctx.log(f"  {BENCH} grpo_step {model}: offload adds {overhead:+.1%} to the step")
+        moved = ", ".join(f"{k[:-2]} {statistics.median([x[k] for x in transfers if k in x]):.3g} s"
+                          for k in TRANSFERS if any(k in x for x in transfers))
+        ctx.log(f"  {BENCH} grpo_step {model} offload={label}: {medians[label]:.2f} s ({split})"
+                + (f"; transfers: {moved}" if moved else ""))
+    for label in medians:
+        if label != "none":
+            ctx.log(f"  {BENCH} grpo_step {model}: offload={label} adds {medians[label] / medians['none'] - 1:+.1%} "
+                    "to the step")
     engine.config.max_num_seqs = max_num_seqs
+
+
+FORCED_KV_GIB = 2
+"""grpo_step's growing variant: the GiB the rollout's cache starts with (the step's KV needs more)."""
+
+
+def _filler(engine):
+    """A tensor holding all but FORCED_KV_GIB of what the next rollout's cache could take now (None when
+    that is already less)."""
+    from hybridengine.rollout.kv_cache import cuda_budget
+
+    torch.cuda.empty_cache()
+    spare = cuda_budget(engine.config, engine.model.config, engine.device) - FORCED_KV_GIB * 2**30
+    return torch.empty(spare, dtype=torch.uint8, device=engine.device) if spare > 0 else None
 
 
 def _big_rollout(ctx: Ctx, engine, model: str, seqs: int, new_tokens: int, none_tokens: int) -> None:

@@ -55,6 +55,36 @@ from hybridengine.sharding.switch import ShardedBuffer
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
+
+class _KVGrowth:
+    """The growth of a rollout's KV cache into the optimizer state's memory (offload 'rollout'), the
+    `grow` callback of its scheduler (`Scheduler.grow`). The cache takes the state's memory when it is
+    full (the scheduler would otherwise preempt, or could not start a request: it waits for the copy
+    to host memory then), not before: a rollout that fits in the memory free at entry leaves the state
+    on the device, and nothing has to come back (`HybridEngine._leave_rollout` drops the host copy)."""
+
+    def __init__(self, engine: "HybridEngine", kv, offload):
+        self.engine, self.kv, self.offload = engine, kv, offload
+        self.per_block = kv.capacity_bytes() // kv.capacity
+        self.grown = False
+
+    def __call__(self, wait: bool) -> int:
+        if self.grown:
+            return 0
+        if not wait:
+            return self.kv.num_blocks  # only when the cache is full
+        e, t0 = self.engine, time.perf_counter()
+        e._join_offload()  # the state's device memory goes back to torch's allocator ...
+        if e.device.type == "cuda":
+            torch.cuda.empty_cache()  # ... and to the driver, for the cache to map
+            budget = cuda_budget(e.config, e.model.config, e.device)
+        else:  # (tests) off CUDA the cache holds its whole capacity from the start
+            budget = self.kv.capacity_bytes()
+        self.kv.grow_to(self.kv.num_blocks + max(budget, 0) // self.per_block)
+        e.stats["kv_grow_s"] = time.perf_counter() - t0
+        self.grown = True
+        return self.kv.num_blocks
+
 __all__ = ["CollectiveError", "CompletionOutput", "EngineConfig", "HybridEngine", "RequestOutput"]
 
 
@@ -93,6 +123,7 @@ class HybridEngine:
         self._sampler = Sampler(config.seed, self.model.vocab_shard, exact=config.exact_logprobs)  # its RNG keys the fused sampler's unseeded rows
         self._runner: ModelRunner | None = None
         self._kv = None  # the open rollout's KVCache (released at its exit)
+        self._kv_growth: _KVGrowth | None = None  # and its growth (offload 'rollout' on CUDA)
         self._session: RolloutSession | None = None  # the open rollout's requests
         self._kept: list = []  # requests kept unfinished by the last rollout (`rollout(keep_unfinished=True)`)
         self._stepper: asyncio.Task | None = None  # generate_async's stepping task
@@ -263,8 +294,8 @@ class HybridEngine:
         """GiB on this rank: parameters (G mapped), optimizer state, gradients, KV cache; torch and NVML totals;
         host memory: `host_optimizer` (optimizer state in host memory now), `host_pinned_total` (the host
         allocation the offload holds, pinned on CUDA; EngineConfig.offload). Inside rollout(): `kv_cache` (the
-        cache's memory now) and `kv_cache_capacity` (what it grows to: with offload 'rollout' the cache
-        grows into the optimizer state's memory once its copy to host memory is done)."""
+        cache's memory now) and `kv_cache_capacity` (what it can grow to: with offload 'rollout' the cache
+        grows into the optimizer state's memory when it is full; `_KVGrowth`)."""
         gib = 2**30
         rep = dict(parameters_mapped=self.sharded.gen.mapped_bytes() / gib,
                    parameters_shard=self.sharded.layout.shard_numel * self.sharded.layout.element_size / gib)
@@ -420,9 +451,10 @@ class HybridEngine:
                 trainer.optimizer.offload.to_host(wait=False)
 
     def _kv_grows(self) -> bool:
-        """The rollout's KV cache starts in the memory free at entry and grows into the optimizer state's
-        once offload 'rollout' has copied it to host memory (no wait at entry): on CUDA with the VMM API,
-        one generation rank per group (under TP the ranks' caches must stay alike)."""
+        """The rollout's KV cache starts in the memory free at entry, with the optimizer state's copy to
+        host memory running, and grows into the state's memory when it is full (`_KVGrowth`; no wait at
+        entry): offload 'rollout' on CUDA with the VMM API, one generation rank per group (under TP the
+        ranks' caches must stay alike)."""
         from hybridengine.sharding.generation_memory import vmm_status
 
         trainer = self._training
@@ -470,7 +502,7 @@ class HybridEngine:
                     self._join_offload()  # the KV cache is sized with the optimizer state's memory free
                     kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank)
                 self.stats["offload_wait_s"] = time.perf_counter() - t1
-                self._kv = kv
+                self._kv, self._kv_growth = kv, grow
                 t1 = time.perf_counter()
                 self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
                                            max_model_len=self.config.max_model_len,
@@ -511,37 +543,14 @@ class HybridEngine:
 
     def _growing_kv_cache(self):
         """offload 'rollout' with a growing cache (`_kv_grows`): start the optimizer state's copy to host
-        memory, and return a cache that starts in the memory free now and the `grow` callback of the
-        rollout's scheduler, which takes the state's memory once the copy is done."""
+        memory, and return a cache that starts in the memory free now and its `_KVGrowth`."""
         offload = self._training.optimizer.offload
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the cache maps memory outside torch's allocator: give its idle blocks back
         freed = offload.device_state_bytes()
         offload.to_host(wait=False)
         kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank, freed_bytes=freed)
-        per_block = kv.capacity_bytes() // kv.capacity
-
-        grown = False
-
-        def grow(wait: bool) -> int:
-            nonlocal grown
-            if grown:
-                return 0
-            if not wait and not offload.transfer_done():
-                return kv.num_blocks
-            t0 = time.perf_counter()
-            self._join_offload()  # the state's device memory goes back to torch's allocator ...
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # ... and to the driver, for the cache to map
-                budget = cuda_budget(self.config, self.model.config, self.device)
-            else:  # (tests) off CUDA the cache holds its whole capacity from the start
-                budget = kv.capacity_bytes()
-            kv.grow_to(kv.num_blocks + max(budget, 0) // per_block)
-            self.stats["kv_grow_s"] = time.perf_counter() - t0
-            grown = True
-            return kv.num_blocks
-
-        return kv, grow
+        return kv, _KVGrowth(self, kv, offload)
 
     def _join_offload(self) -> None:
         """Wait for the optimizer state's copy out, then note in `stats` what the round trip cost: the host
@@ -550,14 +559,17 @@ class HybridEngine:
         `offload_copy_back_s` of the copy back before it; CUDA only)."""
         trainer = self._training
         if self.config.offload != "none" and trainer is not None and trainer.has_optimizer:
-            offload = trainer.optimizer.offload
-            offload.join()
-            for target, way in (("host", "out"), ("device", "back")):
-                if target in offload.start_seconds:
-                    self.stats[f"offload_start_{way}_s"] = offload.start_seconds[target]
-                copy = offload.copy_seconds(target)
-                if copy is not None:
-                    self.stats[f"offload_copy_{way}_s"] = copy
+            trainer.optimizer.offload.join()
+            self._note_offload(trainer.optimizer.offload)
+
+    def _note_offload(self, offload) -> None:
+        """`stats` of the offload's last transfers (see `_join_offload`)."""
+        for target, way in (("host", "out"), ("device", "back")):
+            if target in offload.start_seconds:
+                self.stats[f"offload_start_{way}_s"] = offload.start_seconds[target]
+            copy = offload.copy_seconds(target)
+            if copy is not None:
+                self.stats[f"offload_copy_{way}_s"] = copy
 
     def _close(self, session: RolloutSession, keep: bool, ok: bool) -> list:
         """The end of a rollout's requests: under TP on a normal exit, the driver tells its group (and
@@ -583,7 +595,13 @@ class HybridEngine:
             if self._kv is not None:
                 self._kv.release()  # a VMM cache's memory, now that nothing in flight touches it
             torch.cuda.empty_cache()
-        self._kv = None
+        if self._kv_growth is not None and not self._kv_growth.grown:
+            # The cache never needed the optimizer state's memory: the state is still on the device,
+            # unchanged, so the host copy is dropped (once its copies are done) and nothing comes back.
+            offload = self._training.optimizer.offload
+            if offload.cancel_to_host():
+                self._note_offload(offload)
+        self._kv = self._kv_growth = None
         if self.sharded.state == "generation":
             self.sharded.switch_to_training()
 

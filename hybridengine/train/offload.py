@@ -5,8 +5,12 @@ split masters): 10-12 bytes per parameter of the local shard, five to six times 
 `StateOffload` owns one host allocation that holds all of it (pinned on CUDA) and moves the live
 state between the device and that allocation:
 
-- `to_host()` / `to_device()` start the copies: chunked (`CHUNK_BYTES`), on a side stream on CUDA,
-  so they overlap whatever the caller queues next; `join()` finishes them: the optimizer's lists
+- `to_host()` / `to_device()` start the copies, on a side stream on CUDA, so they overlap whatever the
+  caller queues next. On CUDA a host thread of the extension queues them in chunks at most WINDOW
+  ahead of the copy engine (`WindowedCopier`): the engine serves a direction's copies in submission
+  order, and a transfer queued whole would hold the compute stream's own small copies behind all of
+  it. Elsewhere (and without the extension) they are `CHUNK_BYTES` chunks queued at once. `join()`
+  finishes them: the optimizer's lists
   then name the tensors at their new place, and the old ones are freed (device) or kept for the next
   round trip (host). A transfer that raises leaves the state where it was, whole.
 - `step()` runs one AdamW step with the state in host memory: per unit, in chunks, the next chunk's
@@ -43,6 +47,11 @@ STEP_CHUNK_NUMEL = 16 * 2**20
 three device slots hold about 0.5 GiB."""
 ALIGN = 512
 """Byte alignment of each tensor in the host allocation."""
+WINDOW = 2
+"""Chunks of a CUDA transfer queued ahead of the copy engine (`WindowedCopier`): enough to keep the link
+busy, few enough that another stream's copy in the same direction waits for at most this many chunks."""
+WINDOW_CHUNK_BYTES = 16 * 2**20
+"""Bytes per chunk of a windowed CUDA transfer: about 0.3 ms on a PCIe 5 link."""
 
 
 class OffloadError(RuntimeError):
@@ -115,6 +124,47 @@ class HostBuffer:
         self.data, self.nbytes = data, total
         self.views = {key: data[o:o + n * torch.empty((), dtype=dt).element_size()].view(dt)
                       for key, (o, n, dt) in offsets.items()}
+
+
+class WindowedCopier:
+    """A transfer whose chunks a host thread of the extension queues at most WINDOW ahead of the copy
+    engine (csrc/copier_cuda.cpp): the engine serves each direction's copies in submission order, so a
+    transfer queued whole would hold every small copy of the compute stream (a decode step's inputs
+    and tokens, a training step's batch) behind all of it. Event-like: `query()`, `synchronize()`."""
+
+    def __init__(self, device: torch.device, pieces: list[tuple[int, int, int]], stream: torch.cuda.Stream,
+                 chunk_bytes: int = WINDOW_CHUNK_BYTES, window: int = WINDOW):
+        cls = torch.classes.hybridengine.WindowedCopier
+        self._copier = cls(device.index or 0, window, chunk_bytes)
+        dst, src, nbytes = (list(x) for x in zip(*pieces)) if pieces else ([], [], [])
+        self._raise(self._copier.start(dst, src, nbytes, stream.cuda_stream))
+
+    @staticmethod
+    def available() -> bool:
+        from hybridengine import ops  # noqa: F401  (loads hybridengine._C)
+
+        try:
+            torch.classes.hybridengine.WindowedCopier  # noqa: B018
+        except (AttributeError, RuntimeError):
+            return False
+        return True
+
+    @staticmethod
+    def _raise(message: str) -> None:
+        if message.startswith("invalid: "):
+            raise ValueError("WindowedCopier: " + message[len("invalid: "):])
+        if message:
+            raise RuntimeError(message)
+
+    def query(self) -> bool:
+        return self._copier.done()
+
+    def synchronize(self) -> None:
+        """Wait until every chunk is copied; raises what a failed copy hit (the copies stopped there)."""
+        self._raise(self._copier.wait())
+
+    def seconds(self) -> float:
+        return self._copier.seconds()
 
 
 class _Streams:
@@ -224,6 +274,15 @@ class StateOffload:
         try:
             if stream is None:
                 self._copy_all(dst, lists, non_blocking=False)
+            elif WindowedCopier.available():
+                stream.wait_stream(torch.cuda.current_stream(self.device))  # the last step's writes, the allocation
+                pieces = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size())
+                          for kind, ts in lists.items() for d, s in zip(dst[kind], ts)]
+                event = WindowedCopier(self.device, pieces, stream)
+                self._copy_events[target] = (None, event)
+                for ts in (dst if target == "device" else lists).values():
+                    for t in ts:  # device memory read or written on the side stream
+                        t.record_stream(stream)
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))  # the last step's writes, the allocation
                 with torch.cuda.stream(stream):
@@ -250,6 +309,8 @@ class StateOffload:
         events = self._copy_events.get(target)
         if events is None or not events[1].query():
             return None
+        if isinstance(events[1], WindowedCopier):
+            return events[1].seconds()
         return events[0].elapsed_time(events[1]) / 1e3
 
     def _copy_all(self, dst: dict, src: dict, *, non_blocking: bool) -> None:
@@ -261,11 +322,19 @@ class StateOffload:
     def join(self) -> None:
         """Finish the transfer in flight: the optimizer's lists name the state at its new place. Moving
         out waits on the host (the device memory is free when this returns); moving back only makes the
-        current stream wait."""
+        current stream wait, or with a windowed transfer waits on the host (its last chunks are queued
+        only as the earlier ones finish). A failed windowed transfer raises here and leaves the state where
+        it was."""
         if self._pending is None:
             return
         target, event, dst = self._pending
-        if event is not None:
+        if isinstance(event, WindowedCopier):
+            try:
+                event.synchronize()
+            except RuntimeError:
+                self._pending = None
+                raise
+        elif event is not None:
             if target == "host":
                 event.synchronize()
             else:
@@ -275,6 +344,20 @@ class StateOffload:
         for kind, ts in dst.items():
             lists[kind][:] = ts
         self.location = target
+
+    def cancel_to_host(self) -> bool:
+        """Keep the state on the device after all: a move to host memory whose device memory nobody took
+        (offload 'rollout' with a KV cache that never grew into it). Waits for its copies, which read the
+        state that the next step writes; the host copy is then stale and the device state is live, as if
+        it had never moved. Returns whether there was such a move; a copy that failed raises, and the state
+        is on the device either way."""
+        if self._pending is None or self._pending[0] != "host":
+            return False
+        event = self._pending[1]
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        return True
 
     # -- the streamed step ---------------------------------------------------------------------------
 
