@@ -217,7 +217,7 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
     engine.config.max_num_seqs = max_num_seqs
 
 
-FORCED_KV_GIB = 2
+FORCED_KV_GIB = 0.5
 """grpo_step's growing variant: the GiB the rollout's cache starts with (the step's KV needs more)."""
 
 
@@ -227,7 +227,7 @@ def _filler(engine):
     from hybridengine.rollout.kv_cache import cuda_budget
 
     torch.cuda.empty_cache()
-    spare = cuda_budget(engine.config, engine.model.config, engine.device) - FORCED_KV_GIB * 2**30
+    spare = cuda_budget(engine.config, engine.model.config, engine.device) - int(FORCED_KV_GIB * 2**30)
     return torch.empty(spare, dtype=torch.uint8, device=engine.device) if spare > 0 else None
 
 

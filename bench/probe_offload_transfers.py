@@ -10,7 +10,10 @@ allocator setting (expandable segments):
   first training call after a rollout does before it can queue its own work), and the empty_cache itself;
 - copy: device seconds and GB/s of the chunked copies on a side stream, device to host and host to device;
 - overlap: a bf16 GEMM loop of about a second on the compute stream alone, then with the copy back running
-  on the side stream: both durations, so whether the copy hides behind compute and what it costs it.
+  on the side stream: both durations, so whether the copy hides behind compute and what it costs it;
+- decode: seconds per step of a host-bound loop shaped like a decode step (small GEMMs, the tokens to
+  pinned memory, a wait for them), alone and while the copy out runs queued whole or windowed
+  (`WindowedCopier`).
 Rows (JSONL): bench/results/probe_offload_transfers.jsonl.
 """
 
@@ -137,6 +140,39 @@ def main(argv: list[str] | None = None) -> None:
     record("overlap", "gemm_loop_alone", alone, gemm_iters=iters)
     record("overlap", "gemm_loop_with_copy_back", together_gemm, gemm_iters=iters)
     record("overlap", "copy_back_with_gemm_loop", together_copy, gemm_iters=iters)
+
+    # decode: a host-bound loop shaped like a decode step (small GEMMs, then the step's tokens to pinned host
+    # memory and a wait for them), alone and beside the copy out queued whole and windowed
+    x = torch.randn(256, 3584, dtype=torch.bfloat16, device=device)
+    w = torch.randn(3584, 3584, dtype=torch.bfloat16, device=device)
+    tokens = torch.empty(256, dtype=torch.int64).pin_memory()
+
+    def decode_steps(n: int = 200) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            y = x
+            for _ in range(8):
+                y = y @ w
+            tokens.copy_(y[:, 0].to(torch.int64), non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+        return (time.perf_counter() - t0) / n
+
+    decode_steps(20)
+    record("decode", "step_alone", [decode_steps() for _ in range(args.repeats)])
+    for how in ("queued_whole", "windowed"):
+        steps = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            if how == "windowed":
+                cp = off.WindowedCopier(device, [(v.data_ptr(), t.data_ptr(), t.numel() * 4)
+                                                 for v, t in zip(views, state)], d2h)
+            else:
+                d2h.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(d2h):
+                    copy(views, state)
+            steps.append(decode_steps(100))  # about 0.3 s: inside the copy
+            cp.synchronize() if how == "windowed" else d2h.synchronize()
+        record("decode", f"step_with_copy_out_{how}", steps)
     append_jsonl(args.out, rows)
 
 

@@ -87,10 +87,12 @@ class WindowedCopier : public torch::CustomClassHolder {
     cudaSetDevice(static_cast<int>(device_));
     std::vector<cudaEvent_t> slots(static_cast<size_t>(window_), nullptr);
     cudaEvent_t begin = nullptr, end = nullptr;
-    cudaError_t e = cudaEventCreate(&begin);
-    if (e == cudaSuccess) e = cudaEventCreate(&end);
+    // Blocking-sync events: a thread spinning on an event takes the driver's context lock at every poll,
+    // which slows the other thread's launches (a decode loop launches every few microseconds).
+    cudaError_t e = cudaEventCreateWithFlags(&begin, cudaEventBlockingSync);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&end, cudaEventBlockingSync);
     for (auto& ev : slots) {
-      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync);
     }
     if (e == cudaSuccess) e = cudaEventRecord(begin, stream);
     int64_t issued = 0;
