@@ -8,7 +8,7 @@
 # Steps (in the order given):
 #   wheels                  pip-install .whl/*.whl into /tmp/site (no index) and put it on PYTHONPATH
 #   build                   pip install -e . with the CUDA ops (HYBRIDENGINE_CUDA=1), then `hybridengine info`
-#   tests                   scripts/test_gpu.sh $TEST_ARGS (default -v: each test's outcome is in the log as it
+#   tests                   scripts/test_gpu.sh $TEST_ARGS (default -vv, against its -q: each test's outcome is in the log as it
 #                           ends, so a run cut by TEST_S still names its failures), at most TEST_S seconds
 #   suite:NAME[:MODEL[:SCALE]]  python -m bench run --suite NAME [--model MODEL] [--scale SCALE]
 #   py:FILE                 python FILE (the repository root on PYTHONPATH), its whole output in $OUT/py_<name>.log
@@ -49,7 +49,7 @@ for step in ${STEPS:?set STEPS}; do
     tests)
       budget=$(( ${TEST_S:-300} < left - 10 ? ${TEST_S:-300} : left - 10 ))
       # shellcheck disable=SC2086
-      timeout "$budget" env PYTHON="$PYTHON" bash scripts/test_gpu.sh ${TEST_ARGS:--v} >"$OUT/tests.log" 2>&1 || rc=$?
+      timeout "$budget" env PYTHON="$PYTHON" bash scripts/test_gpu.sh ${TEST_ARGS:--vv} >"$OUT/tests.log" 2>&1 || rc=$?
       grep -E "(FAILED|ERROR) tests/|^(FAILED|ERROR) |passed|failed|^== " "$OUT/tests.log" | sort -u | tail -40 \
         | tee -a "$log" ;;
     suite:*)
