@@ -63,8 +63,8 @@ class _KVGrowth:
     to host memory then), not before: a rollout that fits in the memory free at entry leaves the state
     on the device, and nothing has to come back (`HybridEngine._leave_rollout` drops the host copy)."""
 
-    def __init__(self, engine: "HybridEngine", kv, offload):
-        self.engine, self.kv, self.offload = engine, kv, offload
+    def __init__(self, engine: "HybridEngine", kv):
+        self.engine, self.kv = engine, kv
         self.per_block = kv.capacity_bytes() // kv.capacity
         self.grown = False
 
@@ -420,7 +420,7 @@ class HybridEngine:
         mapping overlaps that step's queued GPU work and the switch is only the all-gather. The pages
         hold model/tg of memory from then on. With `offload="rollout"` and a KV cache that cannot grow
         (`_kv_grows`: off CUDA, without VMM, under TP generation) the optimizer state's copy to host memory
-        starts here too; a growing cache starts it at rollout() entry, after the cache's first mapping. No-op
+        starts here too; a growing cache starts it at rollout() entry, after the switch. No-op
         off CUDA / without the VMM buffer (the offload aside)."""
         if self.role == "critic":
             raise RuntimeError("prepare_rollout() needs an actor engine; this one is a critic")
@@ -550,7 +550,7 @@ class HybridEngine:
         freed = offload.device_state_bytes()
         offload.to_host(wait=False)
         kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank, freed_bytes=freed)
-        return kv, _KVGrowth(self, kv, offload)
+        return kv, _KVGrowth(self, kv)
 
     def _join_offload(self) -> None:
         """Wait for the optimizer state's copy out, then note in `stats` what the round trip cost: the host

@@ -25,8 +25,8 @@ class KVCache:
     The first `num_blocks` blocks of each layer's K and V are usable; `grow_to` makes more of the
     `capacity` usable. On CUDA with `use_vmm` the allocation is a reserved address range (`VmmRange`)
     whose (layer, K/V) planes are backed piece by piece, so the cache can start small and grow into
-    memory that is freed while it runs (offload 'rollout': the optimizer state's copy to host memory
-    finishes during the rollout). Growth steps are whole mapping granules in every plane. Without
+    memory that is freed while it runs (offload 'rollout': the optimizer state's, once it is in host
+    memory). Growth steps are whole mapping granules in every plane. Without
     VMM the whole capacity is allocated at once and growth only raises `num_blocks` (the same
     bookkeeping, for tests off CUDA)."""
 
