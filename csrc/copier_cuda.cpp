@@ -87,8 +87,8 @@ class WindowedCopier : public torch::CustomClassHolder {
     cudaSetDevice(static_cast<int>(device_));
     std::vector<cudaEvent_t> slots(static_cast<size_t>(window_), nullptr);
     cudaEvent_t begin = nullptr, end = nullptr;
-    // Blocking-sync events: a thread spinning on an event takes the driver's context lock at every poll,
-    // which slows the other thread's launches (a decode loop launches every few microseconds).
+    // Blocking-sync events: the thread sleeps while a chunk copies instead of spinning on a core beside
+    // the caller's host-bound loop (a decode loop).
     cudaError_t e = cudaEventCreateWithFlags(&begin, cudaEventBlockingSync);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&end, cudaEventBlockingSync);
     for (auto& ev : slots) {
