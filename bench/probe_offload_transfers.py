@@ -13,7 +13,10 @@ allocator setting (expandable segments):
   on the side stream: both durations, so whether the copy hides behind compute and what it costs it;
 - decode: seconds per step of a host-bound loop shaped like a decode step (small GEMMs, the tokens to
   pinned memory, a wait for them), alone and while the copy out runs queued whole or windowed
-  (`WindowedCopier`).
+  (`WindowedCopier`);
+- off_copy_engine: the same loop with its tokens written to mapped pinned memory by a kernel, beside the
+  windowed copy out; and the copy out done by kernels writing mapped host memory: its bandwidth alone and
+  the loop beside it.
 Rows (JSONL): bench/results/probe_offload_transfers.jsonl.
 """
 
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     def record(part: str, what: str, values: list[float], **extra) -> None:
         row = dict(meta, part=part, what=what, seconds=statistics.median(values), values=values, **extra)
         rows.append(row)
-        rate = f", {nbytes / row['seconds'] / 1e9:.1f} GB/s" if "copy" in what else ""
+        rate = f", {nbytes / row['seconds'] / 1e9:.1f} GB/s" if part == "copy" or what.startswith("copy") else ""
         print(f"{part} {what}: {row['seconds'] * 1e3:.1f} ms{rate}")
 
     def allocate() -> list[torch.Tensor]:
@@ -147,13 +150,18 @@ def main(argv: list[str] | None = None) -> None:
     w = torch.randn(3584, 3584, dtype=torch.bfloat16, device=device)
     tokens = torch.empty(256, dtype=torch.int64).pin_memory()
 
-    def decode_steps(n: int = 200) -> float:
+    def decode_steps(n: int = 200, out: torch.Tensor | None = None) -> float:
+        """Seconds per step; `out`: a CUDA view of `tokens` (mapped pinned memory) that a kernel writes,
+        instead of a copy by the copy engine."""
         t0 = time.perf_counter()
         for _ in range(n):
             y = x
             for _ in range(8):
                 y = y @ w
-            tokens.copy_(y[:, 0].to(torch.int64), non_blocking=True)
+            if out is None:
+                tokens.copy_(y[:, 0].to(torch.int64), non_blocking=True)
+            else:
+                torch.bitwise_or(y[:, 0].to(torch.int64), 0, out=out)
             torch.cuda.current_stream().synchronize()
         return (time.perf_counter() - t0) / n
 
@@ -173,7 +181,81 @@ def main(argv: list[str] | None = None) -> None:
             steps.append(decode_steps(100))  # about 0.3 s: inside the copy
             cp.synchronize() if how == "windowed" else d2h.synchronize()
         record("decode", f"step_with_copy_out_{how}", steps)
+    try:
+        _off_the_copy_engine(record, decode_steps, tokens, views, state, nbytes, args.repeats)
+    except Exception as e:  # noqa: BLE001 - a probe of alternatives: record why it could not run
+        print(f"off_copy_engine: not run ({type(e).__name__}: {e})")
+        rows.append(dict(meta, part="off_copy_engine", what="not_run", error=f"{type(e).__name__}: {e}"))
     append_jsonl(args.out, rows)
+
+
+def mapped(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over pinned (or registered) host tensor t's bytes: kernels read and write the host
+    memory through the link, without the copy engine (unified addressing)."""
+
+    class Interface:
+        __cuda_array_interface__ = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1",
+                                    "data": (t.data_ptr(), False), "version": 2}
+
+    return torch.as_tensor(Interface(), device="cuda")
+
+
+def _off_the_copy_engine(record, decode_steps, tokens, views, state, nbytes, repeats) -> None:
+    """The copy engine delays every small device-to-host copy while the copy out runs. Two ways around it:
+    - mapped_tokens: the decode loop's tokens written to mapped pinned memory by a kernel, beside the
+      windowed copy out (the copy engine busy, the tokens not on it);
+    - sm_copy_out: the copy out itself done by kernels writing mapped host memory (64 MiB per launch, on
+      a side stream), alone (its bandwidth) and beside the decode loop (copies by the copy engine)."""
+    from hybridengine.train import offload as off
+
+    device = torch.device("cuda")
+    out = mapped(tokens).view(torch.int64)
+    record("off_copy_engine", "step_mapped_tokens_alone", [decode_steps(out=out) for _ in range(repeats)])
+    d2h = off._Streams.of(device)[1]
+    steps = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        cp = off.WindowedCopier(device, [(v.data_ptr(), t.data_ptr(), t.numel() * 4) for v, t in zip(views, state)],
+                                d2h)
+        steps.append(decode_steps(100, out=out))
+        cp.synchronize()
+    record("off_copy_engine", "step_mapped_tokens_with_copy_out_windowed", steps)
+
+    host = [mapped(v).view(torch.int32) for v in views]
+    src = [t.view(torch.int32) for t in state]
+    chunk = 16 * 2**20  # int32 elements: 64 MiB
+
+    def sm_copy() -> None:
+        for d, s_ in zip(host, src):
+            for a in range(0, s_.numel(), chunk):
+                torch.bitwise_or(s_[a:a + chunk], 0, out=d[a:a + chunk])
+
+    side = torch.cuda.Stream()
+    alone = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(side)
+        with torch.cuda.stream(side):
+            sm_copy()
+        end.record(side)
+        end.synchronize()
+        alone.append(begin.elapsed_time(end) / 1e3)
+    record("off_copy_engine", "copy_out_by_kernels", alone)
+    assert all(torch.equal(v, t.cpu()) for v, t in zip(views[:2], state[:2])), "the kernel copy is not exact"
+    steps, during = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(side)
+        with torch.cuda.stream(side):
+            sm_copy()
+        end.record(side)
+        steps.append(decode_steps(100))
+        end.synchronize()
+        during.append(begin.elapsed_time(end) / 1e3)
+    record("off_copy_engine", "step_with_copy_out_by_kernels", steps)
+    record("off_copy_engine", "copy_out_by_kernels_with_decode", during)
 
 
 if __name__ == "__main__":
