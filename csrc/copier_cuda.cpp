@@ -2,8 +2,8 @@
 //
 // A GPU's copy engine serves the copies of every stream in one direction in the order they were
 // submitted: a small copy on the compute stream (a decode step's inputs, its sampled tokens) waits
-// behind every chunk of a large transfer already queued on a side stream. Queuing a 71 GiB transfer
-// at once therefore stalls the compute stream's own copies for the whole transfer. This copier
+// behind every chunk of a large transfer already queued on a side stream. Queuing the optimizer state's
+// transfer at once therefore stalls the compute stream's own copies for the whole transfer. This copier
 // queues the chunks from a host thread instead, at most `window` chunks ahead of the copy engine, so
 // another stream's copy waits for at most `window` chunks while the transfer keeps the link busy.
 #include <cuda_runtime.h>

@@ -486,3 +486,18 @@ def test_windowed_transfer_does_not_hold_the_compute_streams_copies():
     whole = min(small_copy_latency(False) for _ in range(2))
     windowed = min(small_copy_latency(True) for _ in range(2))
     assert windowed < 0.5 * whole, (windowed, whole)
+
+
+def test_copier_absence_is_said_once(monkeypatch):
+    """A build without CUDA ops has no windowed copier: asking with warn=True says so once (the transfers are
+    then queued whole)."""
+    if off.WindowedCopier.available():
+        pytest.skip("this build has the copier")
+    monkeypatch.setattr(off.WindowedCopier, "_warned", False)
+    with pytest.warns(UserWarning, match="offload transfers are queued whole"):
+        assert not off.WindowedCopier.available(warn=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not off.WindowedCopier.available(warn=True)

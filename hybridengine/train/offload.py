@@ -31,6 +31,7 @@ those of an optimizer that never left the device.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -51,7 +52,8 @@ WINDOW = 2
 """Chunks of a CUDA transfer queued ahead of the copy engine (`WindowedCopier`): enough to keep the link
 busy, few enough that another stream's copy in the same direction waits for at most this many chunks."""
 WINDOW_CHUNK_BYTES = 16 * 2**20
-"""Bytes per chunk of a windowed CUDA transfer: about 0.3 ms on a PCIe 5 link."""
+"""Bytes per chunk of a windowed CUDA transfer: a fraction of a millisecond of a PCIe 5 link, so that a
+window of them delays another copy little."""
 
 
 class OffloadError(RuntimeError):
@@ -139,13 +141,22 @@ class WindowedCopier:
         dst, src, nbytes = (list(x) for x in zip(*pieces)) if pieces else ([], [], [])
         self._raise(self._copier.start(dst, src, nbytes, stream.cuda_stream))
 
-    @staticmethod
-    def available() -> bool:
+    _warned = False
+
+    @classmethod
+    def available(cls, warn: bool = False) -> bool:
+        """The extension has the copier (built with CUDA ops); `warn`: say once when it has not (the
+        transfers are then queued whole)."""
         from hybridengine import ops  # noqa: F401  (loads hybridengine._C)
 
         try:
             torch.classes.hybridengine.WindowedCopier  # noqa: B018
         except (AttributeError, RuntimeError):
+            if warn and not cls._warned:
+                cls._warned = True
+                warnings.warn("hybridengine._C has no CUDA ops: offload transfers are queued whole, and hold the "
+                              "compute stream's own copies until they end (build with HYBRIDENGINE_CUDA=1)",
+                              stacklevel=3)
             return False
         return True
 
@@ -274,7 +285,7 @@ class StateOffload:
         try:
             if stream is None:
                 self._copy_all(dst, lists, non_blocking=False)
-            elif WindowedCopier.available():
+            elif WindowedCopier.available(warn=True):
                 stream.wait_stream(torch.cuda.current_stream(self.device))  # the last step's writes, the allocation
                 pieces = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size())
                           for kind, ts in lists.items() for d, s in zip(dst[kind], ts)]
