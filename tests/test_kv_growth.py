@@ -245,6 +245,70 @@ def test_engine_without_state_sizes_the_cache_once(growing):
     assert e.stats["kv_blocks_at_entry"] == e.stats["kv_blocks"] == e.stats["rollout_kv_blocks"] == 40
 
 
+def test_a_failed_growth_leaves_the_state_whole_and_the_engine_usable(growing, monkeypatch):
+    """The driver refuses the growth's mapping: the generate call raises, the rollout ends, the state (now in
+    host memory) comes back whole at the next training call, and the next rollout and step equal offload
+    'none'."""
+    ref, e = engine("none", exact_logprobs=True), engine("rollout", num_kv_blocks=3, exact_logprobs=True)
+    for x in (ref, e):
+        x.ppo_step(ppo_batch(0), CFG)
+    opt = e.trainer.optimizer
+    before = [t.clone() for ts in opt.state_lists().values() for t in ts]
+    grow_to = KVCache.grow_to
+
+    def refused(self, num_blocks):
+        if num_blocks > self.num_blocks and self.num_blocks:  # the growth, not the first mapping
+            raise RuntimeError("injected: cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY")
+        return grow_to(self, num_blocks)
+
+    monkeypatch.setattr(KVCache, "grow_to", refused)
+    with pytest.raises(RuntimeError, match="injected: cuMemCreate failed"):
+        with e.rollout():
+            e.generate(PROMPTS, SamplingParams(n=2, max_tokens=12))
+    assert e.sharded.state == "training" and opt.state_location() == "host"
+    e.log_probs(ppo_batch(9))  # brings the state back
+    assert opt.state_location() == "device"
+    after = [t for ts in opt.state_lists().values() for t in ts]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    monkeypatch.setattr(KVCache, "grow_to", grow_to)
+    params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=3)
+    got, want = rollout_and_step(e, 1, params), rollout_and_step(ref, 1, params)
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+    ref_state = dict(ref.state_dict())
+    for name, w in e.state_dict():
+        assert torch.equal(ref_state[name], w), name
+
+
+def _growth_on_ranks(rank, world, init_file, errors):
+    import torch.distributed as dist
+
+    from _dist import reporting
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    with reporting(errors, f"rank {rank}"):
+        HybridEngine._kv_grows = lambda self: (self.config.offload == "rollout" and self._training is not None
+                                               and self._training.has_optimizer)
+        ref, e = engine("none", exact_logprobs=True), engine("rollout", num_kv_blocks=3, exact_logprobs=True)
+        for x in (ref, e):
+            x.ppo_step(ppo_batch(rank), CFG)
+        params = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=rank)
+        for step in (1, 2):
+            got, want = rollout_and_step(e, 10 * step + rank, params), rollout_and_step(ref, 10 * step + rank, params)
+            assert got[0] == want[0] and torch.equal(got[1], want[1])
+            assert e.stats["rollout_kv_blocks"] > e.stats["kv_blocks_at_entry"] == 3
+        ref_state = dict(ref.state_dict())
+        for name, w in e.state_dict():
+            assert torch.equal(ref_state[name], w), name
+
+
+def test_growth_on_two_ranks_equals_none():
+    """Two gloo ranks (sharded training, each rank generating its own batch): each rank's cache grows into
+    its own shard's state memory; tokens, log-probs and weights equal offload 'none' bit for bit."""
+    from _dist import spawn
+
+    spawn(_growth_on_ranks, 2)
+
+
 # -- CUDA: the VMM cache ------------------------------------------------------------------------------
 
 def _vmm_or_skip():

@@ -102,6 +102,8 @@ class Scheduler:
             seq = self.waiting[0]
             raise RuntimeError(f"request {seq.request}: {seq.blocks_needed(self.blocks.block_size)} KV blocks "
                                f"needed but only {self.blocks.num_free} of {self.blocks.num_blocks} are free")
+        if self.grow is not None and self.blocks.num_append_blocks(self.running) > self.blocks.num_free:
+            self._grow(True)  # before any sequence leaves `running`: a growth that raises leaves it whole
         decode, copies = [], []
         while self.running:
             seq = self.running.popleft()
@@ -109,8 +111,6 @@ class Scheduler:
                 decode.append(seq)
                 continue
             while not self.blocks.can_append(seq):
-                if self._grow(True):
-                    continue  # the cache grew: no preemption
                 if self.running:
                     self._preempt(self.running.pop())
                 else:
