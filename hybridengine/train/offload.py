@@ -307,6 +307,11 @@ class StateOffload:
                     for t in ts:  # device memory read or written on the side stream
                         t.record_stream(stream)
         except BaseException:
+            if isinstance(event, WindowedCopier):
+                try:  # its thread stops queuing first
+                    event.synchronize()
+                except RuntimeError:
+                    pass  # the error being raised is the one to report
             if stream is not None:
                 stream.synchronize()  # nothing of the failed transfer is left running
             raise
