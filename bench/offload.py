@@ -2,12 +2,12 @@
 
 `offload_rollout` (one engine, offload='rollout'; 'none' is the same engine with the offload switched
 off in its config, so both see the same weights, optimizer state and allocator):
-- part kv_capacity: the KV cache `rollout()` holds after a `ppo_step` (the optimizer state exists),
-  offload 'rollout' against 'none': GiB and tokens at the rollout's exit (on CUDA the 'rollout' cache
-  starts in the memory free at entry, count kv_tokens_at_entry, and grows into the state's memory at
-  the first step after the copy out: a one-token generate after a device sync), `memory_report()`
-  inside the rollout (rows with case source memory_report), the time the rollout's entry waited for
-  the copies out (offload_wait).
+- part kv_capacity: the KV cache `rollout()` can hold after a `ppo_step` (the optimizer state exists),
+  offload 'rollout' against 'none': GiB and tokens (on CUDA the 'rollout' cache starts in the memory
+  free at entry, count kv_tokens_at_entry, and grows into the state's memory when it is full;
+  big_rollout's kv_GiB_at_exit shows a rollout that grew), `memory_report()` inside the rollout (rows
+  with case source memory_report), the time the rollout's entry waited for the copies out
+  (offload_wait).
 - part grpo_step: bench ppo_e2e's workload (32 prompts x 4 samples x 256 new tokens per GPU, log-probs,
   one update) with each setting: seconds per step and per phase, tokens/s; the transfers' share of
   the step is (step 'rollout' - step 'none') / step 'none'. Each phase ends in a device-wide sync but
@@ -131,7 +131,7 @@ def offload_rollout(ctx: Ctx) -> None:
 
 
 TRANSFERS = ("offload_start_out_s", "offload_copy_out_s", "offload_start_back_s", "offload_copy_back_s")
-"""engine.stats of offload 'rollout' noted at a rollout's entry: host seconds of the calls that start each
+"""engine.stats of offload 'rollout' (noted where a rollout joins or drops the copy out): host seconds of the calls that start each
 direction (allocation, launch) and device seconds of the copies (CUDA)."""
 
 
@@ -169,7 +169,7 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
             t2 = time.perf_counter()
         ctx.sync()
         t["exit"] = time.perf_counter() - t2
-        transfers = _transfers(engine)  # noted at the entry, a growing cache's growth, or its exit
+        transfers = _transfers(engine)
         train_on(ctx, engine, outs, index, w.n, ppo, t)  # with prepare_rollout(): offload starts there
         return dict(zip(t, ctx.slowest(list(t.values())))), transfers
 

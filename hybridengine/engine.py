@@ -68,11 +68,9 @@ class _KVGrowth:
         self.per_block = kv.capacity_bytes() // kv.capacity
         self.grown = False
 
-    def __call__(self, wait: bool) -> int:
+    def __call__(self) -> int:
         if self.grown:
             return 0
-        if not wait:
-            return self.kv.num_blocks  # only when the cache is full
         e, t0 = self.engine, time.perf_counter()
         e._join_offload()  # the state's device memory goes back to torch's allocator ...
         if e.device.type == "cuda":

@@ -85,18 +85,15 @@ def run(sched, steps=400, length=20):
 
 
 class Growth:
-    """A grow callback: `ready` after `ready_after` non-waiting polls; grows once to `to` blocks."""
+    """A grow callback: grows once to `to` blocks (counting the calls)."""
 
-    def __init__(self, to: int, ready_after: int | None = None):
-        self.to, self.ready_after, self.polls, self.waited, self.grown = to, ready_after, 0, 0, False
+    def __init__(self, to: int):
+        self.to, self.calls, self.grown = to, 0, False
 
-    def __call__(self, wait: bool) -> int:
+    def __call__(self) -> int:
+        self.calls += 1
         if self.grown:
             return 0
-        self.polls += 1
-        if not wait and (self.ready_after is None or self.polls <= self.ready_after):
-            return 2
-        self.waited += wait
         self.grown = True
         return self.to
 
@@ -107,15 +104,15 @@ def sequences(sched, lengths=(5, 9, 2, 7)):
 
 
 def test_scheduler_waits_for_the_cache_to_grow_instead_of_preempting():
-    """A cache of 2 blocks that grows to 40 only when waited for: the scheduler admits what fits, then waits
-    for the growth where it would preempt (or where nothing can start); no preemption, the same work done
-    as with 40 blocks from the start."""
+    """A cache of 2 blocks that can grow to 40: the scheduler admits what fits, then waits for the growth
+    where it would preempt (or where nothing can start); no preemption, the same work done as with 40
+    blocks from the start."""
     grow = Growth(40)
     sched = Scheduler(BlockManager(2, 4), max_num_seqs=8, max_num_batched_tokens=64, grow=grow)
     sequences(sched)
     batches = run(sched)
-    assert grow.waited == 1 and sched.num_preemptions == 0 and sched.blocks.num_blocks == 40
-    assert sched.grow is None  # done growing: no more calls
+    # one call, at the first step that would have preempted: the cache grows only when full
+    assert grow.calls == 1 and sched.num_preemptions == 0 and sched.blocks.num_blocks == 40
     ref = Scheduler(BlockManager(40, 4), max_num_seqs=8, max_num_batched_tokens=64)
     sequences(ref)
     assert sum(len(b.seqs) for b in batches) >= sum(len(b.seqs) for b in run(ref))
@@ -126,26 +123,18 @@ def test_scheduler_waits_for_the_cache_to_grow_instead_of_preempting():
         run(small)
 
 
-def test_scheduler_takes_a_ready_growth_without_waiting():
-    grow = Growth(40, ready_after=1)
-    sched = Scheduler(BlockManager(2, 4), max_num_seqs=8, max_num_batched_tokens=64, grow=grow)
-    sequences(sched, (3, 2))
-    run(sched)
-    assert grow.grown and grow.waited == 0 and sched.num_preemptions == 0
-
-
 def test_a_growth_that_adds_nothing_is_not_waited_for_again():
-    """grow(wait=True) that cannot add blocks ends the growth: the scheduler preempts as without it."""
+    """A growth that cannot add blocks ends the growth: the scheduler preempts as without it."""
     calls = []
 
-    def grow(wait):
-        calls.append(wait)
+    def grow():
+        calls.append(1)
         return 6
 
     sched = Scheduler(BlockManager(6, 4), max_num_seqs=8, max_num_batched_tokens=64, grow=grow)
     sequences(sched, (5, 5, 5))
     run(sched, length=12)
-    assert calls.count(True) == 1 and sched.grow is None and sched.num_preemptions > 0
+    assert len(calls) == 1 and sched.grow is None and sched.num_preemptions > 0
 
 
 # -- the engine (offload 'rollout'; the growth path forced off CUDA) -----------------------------------

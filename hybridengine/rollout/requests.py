@@ -115,7 +115,7 @@ class RolloutSession:
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, config: EngineConfig, *, vocab_size: int,
                  tp: generator.TPGroup | None, policy_version: int, kept: list[Request] = (),
-                 grow: Callable[[bool], int] | None = None):
+                 grow: Callable[[], int] | None = None):
         self.runner, self.sampler, self.config, self.tp = runner, sampler, config, tp
         self.vocab_size, self.policy_version = vocab_size, policy_version
         blocks = BlockManager(runner.kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)

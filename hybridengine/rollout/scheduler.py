@@ -32,12 +32,12 @@ class Scheduler:
     """Prefill first (whole prompts, up to a token budget), else one decode step for every running sequence."""
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 grow: Callable[[bool], int] | None = None):
+                 grow: Callable[[], int] | None = None):
         self.blocks = blocks
         self.grow = grow
-        """A cache that can grow while it runs (`KVCache.grow_to`): grow(wait) returns the blocks usable now,
-        0 once it never grows again; with `wait` it blocks until it grows or never will. Each schedule
-        takes what is there; a step that would preempt, or a queue that cannot start, waits instead."""
+        """A cache that can grow while it runs (`KVCache.grow_to`): grow() waits for its growth and returns the
+        blocks usable then, 0 once it never grows again. Called where a step would preempt, or a queue
+        cannot start: the cache grows only when it is full."""
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -65,19 +65,18 @@ class Scheduler:
                 return False
         return self.blocks.num_append_blocks(self.running) <= self.blocks.num_free
 
-    def _grow(self, wait: bool) -> bool:
+    def _grow(self) -> bool:
         """Take the growth of the cache (see `grow`); True when blocks were added."""
         if self.grow is None:
             return False
-        num_blocks, before = self.grow(wait), self.blocks.num_blocks
-        self.blocks.extend(num_blocks)
+        before = self.blocks.num_blocks
+        self.blocks.extend(self.grow())
         added = self.blocks.num_blocks > before
-        if not num_blocks or (wait and not added):
+        if not added:
             self.grow = None  # it has nothing more to give
         return added
 
     def schedule(self) -> Batch:
-        self._grow(False)
         prefill, tokens = [], 0
         seqs = len(self.running)  # a prompt awaiting its fork counts as its `fork` samples
         while self.waiting and seqs + self.waiting[0].fork <= self.max_num_seqs:
@@ -96,14 +95,14 @@ class Scheduler:
             self.running.extend(prefill)
             return Batch(prefill, True)
         if not self.running:
-            if self._grow(True):
+            if self._grow():
                 return self.schedule()  # the cache grew: admit again
             # Nothing runs and the head of the queue cannot get its blocks: it never will.
             seq = self.waiting[0]
             raise RuntimeError(f"request {seq.request}: {seq.blocks_needed(self.blocks.block_size)} KV blocks "
                                f"needed but only {self.blocks.num_free} of {self.blocks.num_blocks} are free")
         if self.grow is not None and self.blocks.num_append_blocks(self.running) > self.blocks.num_free:
-            self._grow(True)  # before any sequence leaves `running`: a growth that raises leaves it whole
+            self._grow()  # before any sequence leaves `running`: a growth that raises leaves it whole
         decode, copies = [], []
         while self.running:
             seq = self.running.popleft()

@@ -237,10 +237,6 @@ class StateOffload:
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def transfer_done(self) -> bool:
-        """No transfer in flight, or its copies are done (`join` then waits for nothing)."""
-        return self._pending is None or self._pending[1] is None or self._pending[1].query()
-
     def device_state_bytes(self) -> int:
         """Bytes of state that a move to host memory frees on the device: all of it unless it is in host
         memory (or on its way there)."""
