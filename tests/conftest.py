@@ -52,6 +52,13 @@ def chi_square_p_value(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2, dtype=torch.float64), statistic / 2).item()
 
 
+cpu_harness = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the CPU harness check of a bench probe (tiny model, Triton interpreter); on a GPU the probe itself runs")
+"""For tests of a probe's harness: on CUDA the probe takes the real shapes, and the Triton interpreter cannot be
+switched on in a process whose kernels are already compiled."""
+
+
 throws_in_extension = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="calls an extension op that throws: a C++ exception out of hybridengine._C segfaulted the GPU machine's "

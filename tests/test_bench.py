@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cpu_harness
 
 from bench.common import FIELDS, METRICS, Recorder, quantiles
 from bench.report import BEGIN, END, report
@@ -492,6 +493,7 @@ def test_probe_gemm_rows_and_their_report_table():
     assert "| m1 | 128 | 2.00 us | 1.00 us | 0.50 |" in text
 
 
+@cpu_harness
 def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys):
     """The probe's harness on CPU (tiny model): a timed line for generate and for step() per measured rep,
     and the engine's methods and the collector's callbacks as they were."""
@@ -512,6 +514,7 @@ def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys
     assert gc.callbacks == callbacks
 
 
+@cpu_harness
 def test_probe_exact_decode_harness_finds_the_engines_launch_exact(capsys, monkeypatch):
     """The probe under the Triton interpreter: the engine's own decode launch (the shared forward tile) gives
     every sequence the varlen kernel's bits, at both head shapes."""
@@ -526,6 +529,7 @@ def test_probe_exact_decode_harness_finds_the_engines_launch_exact(capsys, monke
     assert len(engine) == 2 and all(line.endswith(": 4/4 sequences bitwise equal") for line in engine), lines
 
 
+@cpu_harness
 def test_probe_offload_transfers_harness_on_cpu(capsys):
     """The probe on CPU (a few MiB of state, synchronous copies): the allocation and both copies timed."""
     from bench import probe_offload_transfers

@@ -451,18 +451,19 @@ def test_windowed_copier_copies_bitwise_both_ways_and_checks_its_arguments():
 
 @pytest.mark.gpu
 def test_windowed_transfer_does_not_hold_the_compute_streams_copies():
-    """A small host-to-device copy on the current stream, queued while a 2 GiB transfer in the same
-    direction runs on a side stream, waits for a window of chunks when the transfer is windowed, and for
-    most of the transfer when its chunks are queued at once. Compared in the same test (other tests may
-    share the GPU and its link): windowed, the small copy finishes in under half the time."""
+    """A training call's batch upload (1 MiB from pageable memory, as `torch.tensor(...).to(device)` sends
+    it) on the current stream, queued while a 2 GiB transfer in the same direction runs on a side stream,
+    waits for a window of chunks when the transfer is windowed, and for most of the transfer when its
+    chunks are queued at once. Compared in the same test (other tests may share the GPU and its link):
+    windowed, the upload finishes in under half the time."""
     _copier_or_skip()
     dev = torch.device("cuda")
     n = 2**29  # fp32 elements: 2 GiB
     host = off.HostBuffer({"a": (torch.float32, [n])}, device=dev)
     src = host.views["a", 0]
     dst = torch.empty(n, device=dev)
-    small_host = torch.ones(1024).pin_memory()
-    small = torch.empty(1024, device=dev)
+    small_host = torch.ones(2**18)  # pageable
+    small = torch.empty(2**18, device=dev)
     stream = torch.cuda.Stream()
 
     def small_copy_latency(windowed: bool) -> float:

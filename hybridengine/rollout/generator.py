@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hybridengine import checks
 from hybridengine.config import EngineConfig
 from hybridengine.rollout.outputs import RequestOutput
+from hybridengine.rollout.runner import Readback
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.rollout.scheduler import Batch, Scheduler
 from hybridengine.rollout.sequence import PLACEHOLDER, Sequence, Status
@@ -195,35 +196,35 @@ class _Sampled:
     next_ids: torch.Tensor
     """int64 [B] on the device: the next decode step's input ids (under TP, rank tp.src's)."""
     host: torch.Tensor
-    """float64 [2, B]: tokens and log-probs (float64 holds both exactly: ids < 2^53, fp32 log-probs)."""
+    """float64 [2, B]: tokens and log-probs (float64 holds both exactly: ids < 2^53, fp32 log-probs), in a
+    `Readback` slot."""
     ready: torch.cuda.Event | None
     void: list[bool]
     """Rows whose sequence had finished (a stop token read after this step was launched) or was aborted
     while the step was in flight: ignored."""
+    readback: Readback
+    slot: tuple[int, int]
+    """(slot, its write count) in readback."""
 
     def wait(self) -> tuple[list[int], list[float]]:
-        """The tokens and log-probs as Python lists, once the copy has landed."""
+        """The tokens and log-probs as Python lists, once the store has landed."""
         if self.ready is not None:
             self.ready.synchronize()
+        self.readback.check(*self.slot)
         return self.host[0].long().tolist(), self.host[1].tolist()
 
 
-def _launch(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, tp: TPGroup | None) -> _Sampled:
-    """Start the device-to-host copy (pinned, non-blocking on CUDA); under TP every rank continues
-    with rank tp.src's tokens (one broadcast)."""
+def _launch(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, tp: TPGroup | None,
+            readback: Readback) -> _Sampled:
+    """Start the tokens' and log-probs' way to the host (`Readback`); under TP every rank continues with
+    rank tp.src's tokens (one broadcast)."""
     packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
     next_ids = tokens
     if tp is not None:
         dist.broadcast(packed, src=tp.src, group=tp.group)
         next_ids = packed[0].long()
-    ready = None
-    if packed.is_cuda:
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True).copy_(packed, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-    else:
-        host = packed
-    return _Sampled(seqs, next_ids, host, ready, [False] * len(seqs))
+    host, slot, writes, ready = readback.write(packed)
+    return _Sampled(seqs, next_ids, host, ready, [False] * len(seqs), readback, (slot, writes))
 
 
 def _reserve(sched: Scheduler, step: _Sampled) -> None:

@@ -295,7 +295,7 @@ class RolloutSession:
                 if len(req.seqs) < req.params.n and seq.sample == len(req.seqs):
                     req.seqs.append(seq)
         tokens, logprobs = self.sampler(logits, seqs, self.config.sampler)
-        step = generator._launch(seqs, tokens, logprobs, self.tp)
+        step = generator._launch(seqs, tokens, logprobs, self.tp, runner.readback)
         if inflight is not None:
             self._resolve(inflight)
             self.async_steps += 1

@@ -81,6 +81,73 @@ class AttentionMetadata:
                                  max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen_k or self.max_seqlen)
 
 
+def mapped(host: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over pinned host tensor `host`'s bytes (uint8): kernels store to the host memory through
+    the link, not through the copy engine. Pinned memory is mapped into the device's address space at the
+    same address (unified addressing, every 64-bit CUDA platform)."""
+
+    class Interface:
+        __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                    "data": (host.data_ptr(), False), "version": 2}
+
+    if not host.is_pinned():
+        raise ValueError("mapped(host): host must be a pinned CPU tensor")
+    return torch.as_tensor(Interface(), device="cuda")
+
+
+class Readback:
+    """Where a step's sampled tokens and log-probs reach the host: SLOTS pinned buffers used in turn.
+
+    On CUDA a kernel stores them into the slot through its mapped address (`mapped`), not a copy: the copy
+    engine serves device-to-host copies in order, so a copy of a few hundred bytes waits behind any large
+    transfer in that direction (offload "rollout" moves the optimizer state out while the rollout decodes);
+    a kernel's stores do not wait. The values are bit copies (a bitwise OR with 0 of the float64 words).
+
+    A slot is rewritten SLOTS steps later; the rollout loop reads every step before two more are launched
+    (async decode keeps at most two in flight), and `read` checks that its slot was not rewritten.
+    On CPU the slots are plain tensors written the same way."""
+
+    SLOTS = 4
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host: list[torch.Tensor] = []  # int64 [capacity] per slot
+        self._dest: list[torch.Tensor] = []  # what a kernel writes: the slot's mapped view (CUDA) or the slot
+        self._writes = [0] * self.SLOTS  # per slot: how many steps it has held
+        self._turn = 0
+        self._last: torch.cuda.Event | None = None
+
+    def write(self, packed: torch.Tensor) -> tuple[torch.Tensor, int, int, torch.cuda.Event | None]:
+        """Queue the store of `packed` (float64, contiguous, on self.device) into the next slot: (the slot's
+        host view shaped as packed, the slot, its write count, the event that marks the store done)."""
+        n = packed.numel()
+        if not self._host or self._host[0].numel() < n:
+            self.close()  # the old slots go: every store into them must have landed
+            cuda = self.device.type == "cuda"
+            self._host = [torch.empty(max(n, 256), dtype=torch.int64, pin_memory=cuda) for _ in range(self.SLOTS)]
+            self._dest = [mapped(h).view(torch.int64) if cuda else h for h in self._host]
+        slot = self._turn
+        self._turn = (slot + 1) % self.SLOTS
+        self._writes[slot] += 1
+        torch.bitwise_or(packed.view(torch.int64).reshape(-1), 0, out=self._dest[slot][:n])
+        ready = None
+        if self.device.type == "cuda":
+            ready = self._last = torch.cuda.Event()
+            ready.record()
+        return self._host[slot][:n].view(torch.float64).view(packed.shape), slot, self._writes[slot], ready
+
+    def check(self, slot: int, writes: int) -> None:
+        if self._writes[slot] != writes:
+            raise RuntimeError(f"readback slot {slot} was rewritten before its step was read: more than "
+                               f"{self.SLOTS - 1} steps in flight")
+
+    def close(self) -> None:
+        """Wait for the stores in flight (before the slots' memory may go back to the host allocator)."""
+        if self._last is not None:
+            self._last.synchronize()
+            self._last = None
+
+
 class ModelRunner:
     """Runs prefill and decode steps of a CausalLM against a paged KV cache."""
 
@@ -95,6 +162,8 @@ class ModelRunner:
         self.fused = self.device.type == "cuda"  # the layers' kernels, chosen once: Kernels.ROLLOUT on GPU
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
         self.graph_capture_s = 0.0
+        self.readback = Readback(self.device)
+        """Where the sampled tokens go to the host (the rollout loop's `_launch`)."""
         # Decode inputs are written on the host into one of two staging buffers (pinned on CUDA) and
         # sent in one copy; a buffer is rewritten only once the copy that last read it has run.
         self._staging: list[torch.Tensor] = []
@@ -124,6 +193,7 @@ class ModelRunner:
             graph.reset()
         self.graphs.clear()
         self._pool = None
+        self.readback.close()
         self._staging.clear()
         self._host_views.clear()
         self.kv = None
