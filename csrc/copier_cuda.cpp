@@ -1,11 +1,10 @@
 // torch binding of the windowed copier (CUDA builds only): torch.classes.hybridengine.WindowedCopier.
 //
-// A GPU's copy engine serves the copies of every stream in one direction in the order they were
-// submitted: a small copy on the compute stream (a decode step's inputs, its sampled tokens) waits
-// behind every chunk of a large transfer already queued on a side stream. Queuing the optimizer state's
-// transfer at once therefore stalls the compute stream's own copies for the whole transfer. This copier
-// queues the chunks from a host thread instead, at most `window` chunks ahead of the copy engine, so
-// another stream's copy waits for at most `window` chunks while the transfer keeps the link busy.
+// A large transfer queued at once on a side stream holds the rest of its direction's traffic until it
+// ends: the compute stream's small copies, and kernel stores into mapped host memory too (a decode
+// step's sampled tokens, hybridengine/rollout/runner.py `Readback`). This copier queues the chunks from
+// a host thread instead, at most `window` chunks ahead of the copy engine: the transfer keeps the link
+// busy and those kernel stores pass between its chunks (small copies by the copy engine still wait).
 #include <cuda_runtime.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>

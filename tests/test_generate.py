@@ -558,9 +558,11 @@ def test_gpu_rollout_exit_releases_kv_cache_and_graphs(device):
     """Leaving rollout() frees the KV cache and the CUDA graphs' memory: allocated and reserved bytes
     return to their level before the rollout (training gets that memory back). Measured from after a
     first rollout: on the fallback path (no VMM extension) the generation buffer stays allocated by
-    design (69 MB for this model on the GPU run that showed it)."""
+    design (69 MB for this model on the GPU run that showed it). A 512 MiB cache: in a worker that had run
+    other tests, 20 MiB stayed reserved across a rollout with a 16 MiB cache (none in a process of its own),
+    so the cache is made large enough to tell its release from what earlier tests left in the allocator."""
     engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
-        dtype=torch.bfloat16, device=str(device), max_model_len=128, max_num_seqs=8, num_kv_blocks=4096))
+        dtype=torch.bfloat16, device=str(device), max_model_len=128, max_num_seqs=8, num_kv_blocks=2**17))
     with engine.rollout():  # without the VMM extension the generation buffer stays allocated after this
         engine.generate([[1, 2, 3]], he.SamplingParams(max_tokens=2))
     torch.cuda.synchronize()
@@ -574,7 +576,7 @@ def test_gpu_rollout_exit_releases_kv_cache_and_graphs(device):
     numbers = (f"allocated {before} -> {torch.cuda.memory_allocated()}, reserved {reserved_before} -> "
                f"{torch.cuda.memory_reserved()}, KV {kv_bytes}")
     assert torch.cuda.memory_allocated() - before < 2**20, numbers
-    assert torch.cuda.memory_reserved() - reserved_before < kv_bytes // 2, numbers
+    assert kv_bytes >= 2**29 and torch.cuda.memory_reserved() - reserved_before < kv_bytes // 8, numbers
 
 
 def test_cuda_kv_cache_is_capped_by_what_running_sequences_can_hold(monkeypatch):
@@ -660,16 +662,21 @@ def test_readback_slots_hold_bit_copies_and_catch_a_rewritten_slot(device):
 
 
 @pytest.mark.gpu
-def test_gpu_readback_is_not_held_by_a_large_device_to_host_transfer():
+def test_gpu_readback_is_not_held_by_the_optimizer_states_copy_out():
     """A step's tokens reach the host through `Readback` (kernel stores to mapped pinned memory) while a 4 GiB
-    device-to-host copy runs on a side stream; the copy engine would hold a small copy behind that transfer.
-    Compared in the same test: the readback lands in under a quarter of the small copy's time, and bitwise."""
+    windowed device-to-host transfer runs (offload "rollout"'s copy out); a small copy by the copy engine
+    waits milliseconds behind that transfer. Compared in the same test: the readback lands in under a
+    quarter of the small copy's time, and bitwise."""
     from hybridengine.rollout.runner import Readback
+    from hybridengine.train import offload as off
 
+    if not off.WindowedCopier.available():
+        pytest.skip("hybridengine._C was built without CUDA ops")
     dev = torch.device("cuda")
     n = 2**30  # fp32 elements: 4 GiB
     src = torch.ones(n, device=dev)
-    dst = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    host = off.HostBuffer({"a": (torch.float32, [n])}, device=dev)
+    dst = host.views["a", 0]
     stream = torch.cuda.Stream()
     packed = torch.stack((torch.arange(256, device=dev, dtype=torch.float64),
                           -torch.rand(256, device=dev, dtype=torch.float64)))
@@ -678,22 +685,19 @@ def test_gpu_readback_is_not_held_by_a_large_device_to_host_transfer():
 
     def latency(how: str) -> float:
         torch.cuda.synchronize()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for a in range(0, n, 2**22):  # 16 MiB chunks, queued whole
-                dst[a:a + 2**22].copy_(src[a:a + 2**22], non_blocking=True)
+        cp = off.WindowedCopier(dev, [(dst.data_ptr(), src.data_ptr(), n * 4)], stream)
         time.sleep(0.005)  # the transfer is under way
         t0 = time.perf_counter()
         if how == "readback":
-            host, slot, writes, ready = rb.write(packed)
+            out, slot, writes, ready = rb.write(packed)
             ready.synchronize()
             rb.check(slot, writes)
-            assert torch.equal(host, packed.cpu())
+            assert torch.equal(out, packed.cpu())
         else:
             small.copy_(packed, non_blocking=True)
             torch.cuda.current_stream().synchronize()
         elapsed = time.perf_counter() - t0
-        stream.synchronize()
+        cp.synchronize()
         return elapsed
 
     latency("readback")  # warm-up

@@ -450,23 +450,25 @@ def test_windowed_copier_copies_bitwise_both_ways_and_checks_its_arguments():
 
 
 @pytest.mark.gpu
-def test_windowed_transfer_does_not_hold_the_compute_streams_copies():
-    """A training call's batch upload (1 MiB from pageable memory, as `torch.tensor(...).to(device)` sends
-    it) on the current stream, queued while a 2 GiB transfer in the same direction runs on a side stream,
-    waits for a window of chunks when the transfer is windowed, and for most of the transfer when its
-    chunks are queued at once. Compared in the same test (other tests may share the GPU and its link):
-    windowed, the upload finishes in under half the time."""
+def test_windowed_transfer_lets_a_rollouts_readback_through():
+    """A decode step's tokens reach the host by kernel stores into mapped pinned memory (`Readback`). Beside a
+    4 GiB device-to-host transfer queued whole they wait for most of it; beside the same transfer windowed
+    they land at once. Compared in the same test (other tests may share the GPU and its link): windowed, the
+    readback lands in under a tenth of the time."""
+    from hybridengine.rollout.runner import Readback
+
     _copier_or_skip()
     dev = torch.device("cuda")
-    n = 2**29  # fp32 elements: 2 GiB
+    n = 2**30  # fp32 elements: 4 GiB
+    src = torch.ones(n, device=dev)
     host = off.HostBuffer({"a": (torch.float32, [n])}, device=dev)
-    src = host.views["a", 0]
-    dst = torch.empty(n, device=dev)
-    small_host = torch.ones(2**18)  # pageable
-    small = torch.empty(2**18, device=dev)
+    dst = host.views["a", 0]
     stream = torch.cuda.Stream()
+    packed = torch.stack((torch.arange(256, device=dev, dtype=torch.float64),
+                          -torch.rand(256, device=dev, dtype=torch.float64)))
+    rb = Readback(dev)
 
-    def small_copy_latency(windowed: bool) -> float:
+    def readback_latency(windowed: bool) -> float:
         torch.cuda.synchronize()
         if windowed:
             cp = off.WindowedCopier(dev, [(dst.data_ptr(), src.data_ptr(), n * 4)], stream)
@@ -476,17 +478,19 @@ def test_windowed_transfer_does_not_hold_the_compute_streams_copies():
                     dst[a:b].copy_(src[a:b], non_blocking=True)
         time.sleep(0.005)  # the transfer is under way
         t0 = time.perf_counter()
-        small.copy_(small_host, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
+        out, slot, writes, ready = rb.write(packed)
+        ready.synchronize()
         latency = time.perf_counter() - t0
+        rb.check(slot, writes)
         cp.synchronize() if windowed else stream.synchronize()
-        assert torch.equal(small.cpu(), small_host) and torch.equal(dst[-1024:].cpu(), src[-1024:])
+        assert torch.equal(out, packed.cpu()) and torch.equal(dst[-1024:], src[-1024:].cpu())
         return latency
 
-    small_copy_latency(True)  # warm-up
-    whole = min(small_copy_latency(False) for _ in range(2))
-    windowed = min(small_copy_latency(True) for _ in range(2))
-    assert windowed < 0.5 * whole, (windowed, whole)
+    readback_latency(True)  # warm-up
+    whole = min(readback_latency(False) for _ in range(2))
+    windowed = min(readback_latency(True) for _ in range(2))
+    assert windowed < 0.1 * whole, (windowed, whole)
+    rb.close()
 
 
 def test_copier_absence_is_said_once(monkeypatch):

@@ -7,9 +7,11 @@ state between the device and that allocation:
 
 - `to_host()` / `to_device()` start the copies, on a side stream on CUDA, so they overlap whatever the
   caller queues next. On CUDA a host thread of the extension queues them in chunks at most WINDOW
-  ahead of the copy engine (`WindowedCopier`): the engine serves a direction's copies in submission
-  order, and a transfer queued whole would hold the compute stream's own small copies behind all of
-  it. Elsewhere (and without the extension) they are `CHUNK_BYTES` chunks queued at once. `join()`
+  ahead of the copy engine (`WindowedCopier`): a transfer queued whole holds all other traffic in its
+  direction until it ends, kernel stores into mapped host memory included, while beside a windowed one
+  those stores land at once (a rollout's sampled tokens go to the host that way: `runner.Readback`).
+  Small copies by the copy engine still wait milliseconds beside either. Elsewhere (and without the
+  extension) they are `CHUNK_BYTES` chunks queued at once. `join()`
   finishes them: the optimizer's lists
   then name the tensors at their new place, and the old ones are freed (device) or kept for the next
   round trip (host). A transfer that raises leaves the state where it was, whole.
@@ -50,10 +52,9 @@ ALIGN = 512
 """Byte alignment of each tensor in the host allocation."""
 WINDOW = 2
 """Chunks of a CUDA transfer queued ahead of the copy engine (`WindowedCopier`): enough to keep the link
-busy, few enough that another stream's copy in the same direction waits for at most this many chunks."""
+busy, few enough that kernel stores into mapped host memory get through between them."""
 WINDOW_CHUNK_BYTES = 16 * 2**20
-"""Bytes per chunk of a windowed CUDA transfer: a fraction of a millisecond of a PCIe 5 link, so that a
-window of them delays another copy little."""
+"""Bytes per chunk of a windowed CUDA transfer: a fraction of a millisecond of a PCIe 5 link."""
 
 
 class OffloadError(RuntimeError):
@@ -130,9 +131,10 @@ class HostBuffer:
 
 class WindowedCopier:
     """A transfer whose chunks a host thread of the extension queues at most WINDOW ahead of the copy
-    engine (csrc/copier_cuda.cpp): the engine serves each direction's copies in submission order, so a
-    transfer queued whole would hold every small copy of the compute stream (a decode step's inputs
-    and tokens, a training step's batch) behind all of it. Event-like: `query()`, `synchronize()`."""
+    engine (csrc/copier_cuda.cpp): queued whole, a transfer holds the rest of its direction's traffic to
+    the end, kernel stores into mapped host memory included (a rollout's readback); windowed, those
+    stores pass between chunks. Copies by the copy engine (a step's batch upload) wait milliseconds
+    beside either. Event-like: `query()`, `synchronize()`."""
 
     def __init__(self, device: torch.device, pieces: list[tuple[int, int, int]], stream: torch.cuda.Stream,
                  chunk_bytes: int = WINDOW_CHUNK_BYTES, window: int = WINDOW):
