@@ -181,6 +181,7 @@ class ModelRunner:
                               | {max_num_seqs}) if use_cuda_graphs and self.device.type == "cuda" else [])
         self._lazy = lazy_cuda_graphs
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         if self._sizes and not self._lazy:
             with torch.inference_mode():
                 for size in reversed(self._sizes):  # largest first: the smaller graphs reuse its memory pool
@@ -378,9 +379,18 @@ class ModelRunner:
         static["slots"].fill_(-1)
         self._decode_forward(static)  # warm-up: Triton compilation and autotuning outside the graph
         torch.cuda.synchronize(self.device)
+        # What torch.cuda.graph does, without its empty_cache of device and pinned host memory at every
+        # capture: a rollout captures up to ~36 buckets, and each emptying would hand back cached blocks that
+        # the steps around it allocate again.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static["logits"] = self._decode_forward(static)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=self._pool)
+            try:
+                static["logits"] = self._decode_forward(static)
+            finally:
+                graph.capture_end()
         self._pool = graph.pool()
         self.graphs[size] = (graph, static)
         torch.cuda.synchronize(self.device)
