@@ -189,27 +189,17 @@ def main(argv: list[str] | None = None) -> None:
     append_jsonl(args.out, rows)
 
 
-def mapped(t: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over pinned (or registered) host tensor t's bytes: kernels read and write the host
-    memory through the link, without the copy engine (unified addressing)."""
-
-    class Interface:
-        __cuda_array_interface__ = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1",
-                                    "data": (t.data_ptr(), False), "version": 2}
-
-    return torch.as_tensor(Interface(), device="cuda")
-
-
 def _off_the_copy_engine(record, decode_steps, tokens, views, state, nbytes, repeats) -> None:
     """The copy engine delays every small device-to-host copy while the copy out runs. Two ways around it:
     - mapped_tokens: the decode loop's tokens written to mapped pinned memory by a kernel, beside the
       windowed copy out (the copy engine busy, the tokens not on it);
     - sm_copy_out: the copy out itself done by kernels writing mapped host memory (64 MiB per launch, on
       a side stream), alone (its bandwidth) and beside the decode loop (copies by the copy engine)."""
+    from hybridengine.rollout.runner import mapped
     from hybridengine.train import offload as off
 
     device = torch.device("cuda")
-    out = mapped(tokens).view(torch.int64)
+    out = mapped(tokens, device).view(torch.int64)
     record("off_copy_engine", "step_mapped_tokens_alone", [decode_steps(out=out) for _ in range(repeats)])
     d2h = off._Streams.of(device)[1]
     steps = []
@@ -221,7 +211,7 @@ def _off_the_copy_engine(record, decode_steps, tokens, views, state, nbytes, rep
         cp.synchronize()
     record("off_copy_engine", "step_mapped_tokens_with_copy_out_windowed", steps)
 
-    host = [mapped(v).view(torch.int32) for v in views]
+    host = [mapped(v, device).view(torch.int32) for v in views]
     src = [t.view(torch.int32) for t in state]
     chunk = 16 * 2**20  # int32 elements: 64 MiB
 

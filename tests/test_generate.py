@@ -658,3 +658,11 @@ def test_readback_slots_hold_bit_copies_and_catch_a_rewritten_slot(device):
     assert host.shape == (2, 300) and not host.any()
     rb.close()
 
+
+
+def test_mapped_takes_only_pinned_host_memory():
+    """`mapped` gives the device a view of pinned host memory; pageable memory has no device address."""
+    from hybridengine.rollout.runner import mapped
+
+    with pytest.raises(ValueError, match="host must be a pinned CPU tensor"):
+        mapped(torch.zeros(4), torch.device("cuda"))

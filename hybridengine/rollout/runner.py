@@ -81,10 +81,10 @@ class AttentionMetadata:
                                  max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen_k or self.max_seqlen)
 
 
-def mapped(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over pinned host tensor `host`'s bytes (uint8): kernels store to the host memory through
-    the link, not through the copy engine. Pinned memory is mapped into the device's address space at the
-    same address (unified addressing, every 64-bit CUDA platform)."""
+def mapped(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on CUDA `device` over pinned host tensor `host`'s bytes (uint8): kernels store to the host
+    memory through the link, not through the copy engine. Pinned memory is mapped into every device's
+    address space at the same address (unified addressing, every 64-bit CUDA platform)."""
 
     class Interface:
         __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
@@ -92,19 +92,20 @@ def mapped(host: torch.Tensor) -> torch.Tensor:
 
     if not host.is_pinned():
         raise ValueError("mapped(host): host must be a pinned CPU tensor")
-    return torch.as_tensor(Interface(), device="cuda")
+    return torch.as_tensor(Interface(), device=device)
 
 
 class Readback:
     """Where a step's sampled tokens and log-probs reach the host: SLOTS pinned buffers used in turn.
 
-    On CUDA a kernel stores them into the slot through its mapped address (`mapped`), not a copy: the copy
-    engine serves device-to-host copies in order, so a copy of a few hundred bytes waits behind any large
-    transfer in that direction (offload "rollout" moves the optimizer state out while the rollout decodes);
-    a kernel's stores do not wait. The values are bit copies (a bitwise OR with 0 of the float64 words).
+    On CUDA a kernel stores them into the slot through its mapped address (`mapped`), not a copy: with
+    offload "rollout" the optimizer state's copy out runs while the rollout decodes, and a copy of a few
+    hundred bytes by the copy engine waits milliseconds beside it, where a kernel's stores pass between its
+    chunks (`train.offload.WindowedCopier`). The values are bit copies (a bitwise OR with 0 of the float64
+    words).
 
     A slot is rewritten SLOTS steps later; the rollout loop reads every step before two more are launched
-    (async decode keeps at most two in flight), and `read` checks that its slot was not rewritten.
+    (async decode keeps at most two in flight), and `check` says whether a slot was rewritten.
     On CPU the slots are plain tensors written the same way."""
 
     SLOTS = 4
@@ -125,7 +126,7 @@ class Readback:
             self.close()  # the old slots go: every store into them must have landed
             cuda = self.device.type == "cuda"
             self._host = [torch.empty(max(n, 256), dtype=torch.int64, pin_memory=cuda) for _ in range(self.SLOTS)]
-            self._dest = [mapped(h).view(torch.int64) if cuda else h for h in self._host]
+            self._dest = [mapped(h, self.device).view(torch.int64) if cuda else h for h in self._host]
         slot = self._turn
         self._turn = (slot + 1) % self.SLOTS
         self._writes[slot] += 1
