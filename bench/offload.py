@@ -131,8 +131,8 @@ def offload_rollout(ctx: Ctx) -> None:
 
 
 TRANSFERS = ("offload_start_out_s", "offload_copy_out_s", "offload_start_back_s", "offload_copy_back_s")
-"""engine.stats of offload 'rollout' (noted where a rollout joins or drops the copy out): host seconds of the calls that start each
-direction (allocation, launch) and device seconds of the copies (CUDA)."""
+"""engine.stats of offload 'rollout' (noted where a rollout joins or drops the copy out): host seconds of the
+calls that start each direction (allocation, launch) and device seconds of the copies (CUDA)."""
 
 
 def _transfers(engine) -> dict[str, float]:
