@@ -452,11 +452,11 @@ def test_windowed_copier_copies_bitwise_both_ways_and_checks_its_arguments():
 @pytest.mark.gpu
 def test_a_rollouts_readback_passes_the_windowed_copy_out():
     """A decode step's tokens reach the host by kernel stores into mapped pinned memory (`Readback`) while a
-    4 GiB device-to-host transfer runs (offload "rollout"'s copy out). Beside the windowed transfer they
-    land at once, where a small copy by the copy engine waits milliseconds; beside the same transfer
-    queued whole they wait for most of it. Compared in the same test (other tests may share the GPU and
-    its link): windowed, the readback lands in under a quarter of the small copy's time and under a tenth
-    of its own time beside the transfer queued whole; bitwise."""
+    4 GiB device-to-host transfer runs (offload "rollout"'s copy out): they land while the transfer is still
+    in flight, in under 5% of its duration, bitwise. (Whether a small copy by the copy engine, or the
+    readback beside the transfer queued whole, waits depends on how the engine's queue is interleaved at
+    that moment: the probe's decode-shaped loop saw 6 ms per step, a one-shot copy in this test has seen
+    no wait. The bound asserted is the one the rollout relies on; the others are in the message.)"""
     from hybridengine.rollout.runner import Readback
 
     _copier_or_skip()
@@ -471,14 +471,18 @@ def test_a_rollouts_readback_passes_the_windowed_copy_out():
     small = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
     rb = Readback(dev)
 
-    def latency(how: str, windowed: bool) -> float:
+    def latency(how: str, windowed: bool) -> tuple[float, float, bool]:
+        """(seconds until `how` landed, the transfer's seconds, whether it was still in flight then)."""
         torch.cuda.synchronize()
+        t_start = time.perf_counter()
         if windowed:
             cp = off.WindowedCopier(dev, [(dst.data_ptr(), src.data_ptr(), n * 4)], stream)
         else:
+            done = torch.cuda.Event()
             with torch.cuda.stream(stream):
                 for a, b in off._chunks(src, off.CHUNK_BYTES):
                     dst[a:b].copy_(src[a:b], non_blocking=True)
+                done.record(stream)
         time.sleep(0.005)  # the transfer is under way
         t0 = time.perf_counter()
         if how == "readback":
@@ -488,19 +492,22 @@ def test_a_rollouts_readback_passes_the_windowed_copy_out():
             small.copy_(packed, non_blocking=True)
             torch.cuda.current_stream().synchronize()
         elapsed = time.perf_counter() - t0
+        in_flight = not (cp.query() if windowed else done.query())
         cp.synchronize() if windowed else stream.synchronize()
+        transfer = time.perf_counter() - t_start
         if how == "readback":
             rb.check(slot, writes)
             assert torch.equal(out, packed.cpu())
         assert torch.equal(dst[-1024:], src[-1024:].cpu())
-        return elapsed
+        return elapsed, transfer, in_flight
 
     latency("readback", True)  # warm-up
-    readback = min(latency("readback", True) for _ in range(2))
-    copy = min(latency("copy", True) for _ in range(2))
-    whole = min(latency("readback", False) for _ in range(2))
-    assert readback < 0.25 * copy and readback < 0.1 * whole, dict(readback=readback, copy=copy, readback_whole=whole)
+    runs = [latency("readback", True) for _ in range(3)]
+    others = dict(copy=[latency("copy", True)[0] for _ in range(2)],
+                  readback_whole=[latency("readback", False)[0] for _ in range(2)])
     rb.close()
+    assert all(in_flight for _, _, in_flight in runs), runs
+    assert all(elapsed < 0.05 * transfer for elapsed, transfer, _ in runs), dict(readback=runs, **others)
 
 
 def test_copier_absence_is_said_once(monkeypatch):

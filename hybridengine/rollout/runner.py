@@ -23,6 +23,19 @@ from hybridengine.rollout.scheduler import Batch
 from hybridengine.rollout.sequence import PLACEHOLDER, Sequence
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every CUDA graph capture on `device` runs on, one for the process (as torch.cuda.graph
+    keeps one): torch keeps a cuBLAS workspace per stream that has run a GEMM until the process ends, so a
+    new stream per rollout would add one (tens of MiB) at every rollout."""
+    key = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
+    return _CAPTURE_STREAMS[key]
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """What every attention layer of one step needs; `attend` is what the model calls, and `kernels`
@@ -182,7 +195,6 @@ class ModelRunner:
                               | {max_num_seqs}) if use_cuda_graphs and self.device.type == "cuda" else [])
         self._lazy = lazy_cuda_graphs
         self._pool = None
-        self._capture_stream: torch.cuda.Stream | None = None
         if self._sizes and not self._lazy:
             with torch.inference_mode():
                 for size in reversed(self._sizes):  # largest first: the smaller graphs reuse its memory pool
@@ -378,15 +390,19 @@ class ModelRunner:
         self._upload(self._stage_decode([fake] * size, size), dest=buffer)
         static = dict(self._decode_views(buffer, size), buffer=buffer)
         static["slots"].fill_(-1)
-        self._decode_forward(static)  # warm-up: Triton compilation and autotuning outside the graph
+        stream = _capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            # Warm-up on the capture stream, outside the graph: Triton compilation and autotuning, and the
+            # stream's cuBLAS workspace, which torch keeps per (handle, stream) for the process; allocated
+            # inside a capture it would come from the graphs' pool and hold that pool past the rollout.
+            self._decode_forward(static)
         torch.cuda.synchronize(self.device)
         # What torch.cuda.graph does, without its empty_cache of device and pinned host memory at every
         # capture: a rollout captures up to ~36 buckets, and each emptying would hand back cached blocks that
         # the steps around it allocate again.
         graph = torch.cuda.CUDAGraph()
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._capture_stream):
+        with torch.cuda.stream(stream):
             graph.capture_begin(pool=self._pool)
             try:
                 static["logits"] = self._decode_forward(static)
