@@ -56,6 +56,12 @@ from hybridengine.sharding.switch import ShardedBuffer
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
+def _empty_device_cache(device: torch.device) -> None:
+    """Give the caching allocator's idle blocks back to the driver (CUDA; nothing to do elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class _KVGrowth:
     """The growth of a rollout's KV cache into the optimizer state's memory (offload 'rollout'), the
     `grow` callback of its scheduler (`Scheduler.grow`). The cache takes the state's memory when it is
@@ -535,7 +541,7 @@ class HybridEngine:
                     if runner is not None:
                         runner.close()
                 finally:
-                    del runner
+                    del runner, session  # the session holds the runner, the runner the cache
                     gc.unfreeze()
                     self._leave_rollout()
 
@@ -585,14 +591,16 @@ class HybridEngine:
 
     def _leave_rollout(self) -> None:
         """The end of every rollout, also after an error: free the cache, back to the training view."""
+        # The KV cache and the CUDA graphs' pool go back to the driver once nothing is in flight (the
+        # next switch maps generation pages outside torch's allocator). No gc.collect here: the cache
+        # and the graphs are freed by reference, and a full collection per switch is slow.
         if self.device.type == "cuda":
-            # The KV cache and the CUDA graphs' pool go back to the driver once nothing is in flight
-            # (the next switch maps generation pages outside torch's allocator). No gc.collect here:
-            # the cache and the graphs are freed by reference, and a full collection per switch is slow.
             torch.cuda.synchronize(self.device)
-            if self._kv is not None:
-                self._kv.release()  # a VMM cache's memory, now that nothing in flight touches it
-            torch.cuda.empty_cache()
+        kv, self._kv = self._kv, None
+        if kv is not None:
+            kv.release()  # a VMM cache's memory, now that nothing in flight touches it
+        del kv  # the last reference: the allocator must see the cache's blocks free when it empties
+        _empty_device_cache(self.device)
         if self._kv_growth is not None and not self._kv_growth.grown:
             # The cache never needed the optimizer state's memory: the state is still on the device,
             # unchanged, so the host copy is dropped (once its copies are done) and nothing comes back.

@@ -39,12 +39,18 @@ def check_row(row: dict) -> None:
         assert row["p20"] <= row["value"] <= row["p80"], row
 
 
+def bench_env(**env_vars: str) -> dict:
+    """The environment of a bench subprocess: this one's without the harness's own knobs (HE_BENCH_*: a GPU
+    run that sets HE_BENCH_TAIL for its benches must not change what these tests run), plus `env_vars`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HE_BENCH_")}
+    return {**env, "PYTHONPATH": str(REPO), "HE_COMMIT": "test", **env_vars}
+
+
 def run_suite(tmp_path: Path, suite: str, scale: float, timeout: int, **env_vars: str) -> list[dict]:
     """`python -m bench run --suite S --cpu` in a subprocess (`env_vars` set there); its rows, each checked
     against the schema."""
     out = tmp_path / "rows.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HE_COMMIT": "test", **env_vars}
-    env.pop("HE_BENCH_RUN_ID", None)
+    env = bench_env(**env_vars)
     proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", suite, "--scale", str(scale), "--cpu",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -158,8 +164,7 @@ def test_offload_rollout_suite_rows_on_cpu(tmp_path):
 def test_soak_rows_on_cpu(tmp_path):
     """`bench soak` on a tiny model: a row per step with its shapes and readings, the summary row, the report."""
     out = tmp_path / "rows.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HE_COMMIT": "test"}
-    env.pop("HE_BENCH_RUN_ID", None)
+    env = bench_env()
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     proc = subprocess.run([sys.executable, "-m", "bench", "soak", "--cpu", "--model", "tiny-qwen2", "--steps", "3",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)

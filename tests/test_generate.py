@@ -579,6 +579,29 @@ def test_gpu_rollout_exit_releases_kv_cache_and_graphs(device):
         assert kv_bytes >= 2**29 and torch.cuda.memory_reserved() - reserved_before < kv_bytes // 8, numbers
 
 
+def test_rollout_exit_empties_the_allocator_after_the_last_reference_to_the_kv_cache(monkeypatch):
+    """The allocator can only give back blocks nobody holds: when `_leave_rollout` empties the device
+    cache, the KV cache (held by the engine, the runner and the session) must already be unreferenced.
+    Otherwise the cache's memory stays reserved on the device after the exit, out of training's reach."""
+    import weakref
+
+    import hybridengine.engine as engine_module
+
+    engine, _ = make_engine("tiny-qwen2")
+    seen = []
+    monkeypatch.setattr(engine_module, "_empty_device_cache", lambda device: seen.append(
+        (kv_ref() is None, data_ref() is None)))
+    for keep in (False, True):
+        with engine.rollout(keep_unfinished=keep):
+            kv_ref, data_ref = weakref.ref(engine._kv), weakref.ref(engine._kv.data)
+            engine.generate([[1, 2, 3]] * 2, he.SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="inside"):
+        with engine.rollout():
+            kv_ref, data_ref = weakref.ref(engine._kv), weakref.ref(engine._kv.data)
+            raise RuntimeError("inside")
+    assert seen == [(True, True)] * 3
+
+
 def test_cuda_kv_cache_is_capped_by_what_running_sequences_can_hold(monkeypatch):
     """On CUDA the cache takes the memory budget, but no more than max_num_seqs sequences of
     max_model_len can use (every block beyond that would be allocated and freed for nothing)."""
