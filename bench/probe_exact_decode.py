@@ -8,8 +8,8 @@ so a decode program computes a 64-row tile for a GQA group of 6 or 7 query heads
 softmax is a register reduction whose order follows the tile's layout, which is why the tiles are shared;
 this probe measures whether smaller row tiles (less MMA work per decode program) keep the bits anyway. For
 each config: whether every row of a batch of mixed lengths equals the varlen kernel's, at the Qwen2.5-1.5B and
-Qwen2-7B head shapes (bf16), and the decode time at 256 sequences of 256-token context (CUDA events, 10
-warm-up launches, median and p20/p80 of 50). Rows (JSONL): bench/results/probe_exact_decode.jsonl.
+Qwen2-7B head shapes (bf16), and the decode time at 256 sequences of 256-token context (20 launches in a CUDA
+graph, CUDA events around each replay, 10 warm-up launches, median and p20/p80 of 50 replays). Rows (JSONL): bench/results/probe_exact_decode.jsonl.
 """
 
 from __future__ import annotations
@@ -68,17 +68,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _time(fn, warmup: int, repeats: int) -> list[float]:
+def _time(fn, warmup: int, repeats: int, per_graph: int = 20) -> list[float]:
+    """Seconds per launch: `per_graph` launches captured in one CUDA graph, each replay timed by CUDA events.
+    A launch timed alone measures the host's launch overhead (tens of microseconds), not the kernel."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / per_graph)
     return times
 
 

@@ -11,7 +11,10 @@
 #   tests                   scripts/test_gpu.sh $TEST_ARGS (default -vv, against its -q: each test's outcome is in the log as it
 #                           ends, so a run cut by TEST_S still names its failures), at most TEST_S seconds
 #   suite:NAME[:MODEL[:SCALE]]  python -m bench run --suite NAME [--model MODEL] [--scale SCALE]
-#   py:FILE                 python FILE (the repository root on PYTHONPATH), its whole output in $OUT/py_<name>.log
+#   py:FILE[,ARG,...]       python FILE ARG... (the repository root on PYTHONPATH), its whole output in
+#                           $OUT/py_<name>.log
+#   env:NAME=VALUE          export NAME=VALUE for the steps after it (e.g. a bench knob such as HE_BENCH_TAIL,
+#                           after the tests, which must not see it)
 # A step starts only with 20 s or more of TOTAL_S left and is cut at the budget's end; the others still run.
 # Logs: $OUT/log (the summary of every step), $OUT/build.log, $OUT/tests.log, $OUT/bench_<suite>.log; rows:
 # $OUT/results.jsonl (one run id for the whole batch: HE_BENCH_RUN_ID, default the UTC time and RUN_TAG).
@@ -60,11 +63,14 @@ for step in ${STEPS:?set STEPS}; do
       timeout $(( left - 10 )) "$PYTHON" -m bench run "${args[@]}" >"$OUT/bench_$name.log" 2>&1 || rc=$?
       grep -v "it/s\]" "$OUT/bench_$name.log" | tail -25 | tee -a "$log" ;;
     py:*)
-      file=${step#py:}
+      IFS=, read -r -a argv <<<"${step#py:}"
+      file=${argv[0]}
       # the repository root on the path: a probe under bench/ imports bench.common
-      PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout $(( left - 10 )) "$PYTHON" "$file" \
+      PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout $(( left - 10 )) "$PYTHON" "${argv[@]}" \
         >"$OUT/py_$(basename "$file" .py).log" 2>&1 || rc=$?
       tail -20 "$OUT/py_$(basename "$file" .py).log" | tee -a "$log" ;;
+    env:*=*)
+      export "${step#env:}" ;;
     *) note "unknown step $step"; rc=2 ;;
   esac
   [ "$rc" -ne 0 ] && status=1
