@@ -180,17 +180,26 @@ def linear_exact_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         k_splits: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`linear_exact` of 16-bit x [M, K] by cuBLAS with split-K forbidden: the first K split's fp32 product
     (`aten.mm.dtype`), each further split's added onto it in cuBLAS's epilogue (`aten.addmm.dtype`, beta 1:
-    p + acc rounded once in fp32, the kernel's (p0 + p1) + p2 order), the bias in fp32, one rounding. One
-    split to the input dtype is `F.linear` with its bias epilogue (acc + bias in fp32, rounded once)."""
+    p + acc rounded once in fp32, the kernel's (p0 + p1) + p2 order), the bias in fp32, one rounding. Up to
+    BATCHED_SPLITS_MAX_ROWS rows the splits' products are one batched GEMM instead (`aten.bmm.dtype`: the
+    splits run side by side, where one split's tiles alone leave SMs idle) and are added in the same order.
+    One split to the input dtype is `F.linear` with its bias epilogue (acc + bias in fp32, rounded once)."""
     out_dtype = out_dtype or x.dtype
     with _no_split_k():
         if k_splits == 1 and out_dtype == x.dtype:
             return torch.nn.functional.linear(x, weight, bias)
         split = x.shape[1] // k_splits
-        total = torch.ops.aten.mm.dtype(x[:, :split], weight[:, :split].t(), torch.float32)
-        for s in range(1, k_splits):
-            cols = slice(s * split, (s + 1) * split)
-            torch.ops.aten.addmm.dtype_out(total, x[:, cols], weight[:, cols].t(), torch.float32, out=total)
+        if k_splits > 1 and x.shape[0] <= BATCHED_SPLITS_MAX_ROWS:
+            parts = torch.ops.aten.bmm.dtype(x.unflatten(1, (k_splits, split)).transpose(0, 1),
+                                             weight.unflatten(1, (k_splits, split)).permute(1, 2, 0), torch.float32)
+            total = parts[0] + parts[1]
+            for s in range(2, k_splits):
+                total += parts[s]
+        else:
+            total = torch.ops.aten.mm.dtype(x[:, :split], weight[:, :split].t(), torch.float32)
+            for s in range(1, k_splits):
+                cols = slice(s * split, (s + 1) * split)
+                torch.ops.aten.addmm.dtype_out(total, x[:, cols], weight[:, cols].t(), torch.float32, out=total)
     if bias is not None:
         total = total + bias.float()
     return total.to(out_dtype)
@@ -221,6 +230,10 @@ every M from 16 to 300 and at training sizes, for the model's projection shapes)
 CUBLAS_ALIGN = 8
 """cuBLAS takes only shapes and strides that are multiples of 8 elements: at an odd vocabulary (N = 50257)
 it picks kernels whose bits differ from the Triton kernel's, and those shapes go to the kernel."""
+
+BATCHED_SPLITS_MAX_ROWS = 1024
+"""Row-parallel products (k_splits > 1) of at most this many rows (decode steps, small prefills) take one
+batched GEMM over the splits in `linear_exact_cublas`; more rows fill the GPU with one split's tiles."""
 
 CUBLAS_MIN_ROWS = 16
 """Fewer rows go to the Triton kernel: cuBLAS may take a GEMV-like kernel there, with another order (a single
