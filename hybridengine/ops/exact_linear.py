@@ -231,9 +231,11 @@ CUBLAS_ALIGN = 8
 """cuBLAS takes only shapes and strides that are multiples of 8 elements: at an odd vocabulary (N = 50257)
 it picks kernels whose bits differ from the Triton kernel's, and those shapes go to the kernel."""
 
-BATCHED_SPLITS_MAX_ROWS = 1024
+BATCHED_SPLITS_MAX_ROWS = 512
 """Row-parallel products (k_splits > 1) of at most this many rows (decode steps, small prefills) take one
-batched GEMM over the splits in `linear_exact_cublas`; more rows fill the GPU with one split's tiles."""
+batched GEMM over the splits in `linear_exact_cublas`: there one split's tiles leave SMs idle, and below 128
+rows cuBLASLt without split-K picks a far slower kernel for the long-K down_proj split. From 1,024 rows on
+the two GEMMs are faster (the o_proj and down_proj shapes of Qwen2.5-1.5B and Qwen2-7B; docs/exact.md)."""
 
 CUBLAS_MIN_ROWS = 16
 """Fewer rows go to the Triton kernel: cuBLAS may take a GEMV-like kernel there, with another order (a single
