@@ -318,8 +318,11 @@ def offload_optimizer(ctx: Ctx) -> None:
                 ppo = he.PPOConfig(lr=1e-6, max_grad_norm=1.0, micro_batch_tokens=tokens,
                                    activation_checkpointing=False)
                 try:
-                    return ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=1, repeats=3,
-                                       desc=f"offload {mode} {tokens}")
+                    with ctx.peak() as pm:
+                        times = ctx.measure(lambda: engine.ppo_step(batch, ppo), warmup=1, repeats=3,
+                                            desc=f"offload {mode} {tokens}")
+                    peaks[tokens] = pm
+                    return times
                 except Exception as err:  # noqa: BLE001 - out of memory ends the ladder; anything else is a failure
                     if not _is_oom(err):
                         raise
@@ -329,6 +332,7 @@ def offload_optimizer(ctx: Ctx) -> None:
                     del batch
                     release_memory()
 
+            peaks = {}  # per rung that ran: the peak, so base + slope x tokens shows what binds each mode
             most[mode], ran = _ladder(ctx, try_step)
             case = dict(part="max_micro_batch", offload=mode, seq=seq, activation_checkpointing=False)
             ctx.rec.add(BENCH, "hybridengine", model, case, "tokens", float(most[mode]))
@@ -336,10 +340,11 @@ def offload_optimizer(ctx: Ctx) -> None:
                 c = {**case, "tokens_per_gpu": tokens}
                 ctx.rec.add(BENCH, "hybridengine", model, c, "seconds", times)
                 ctx.rec.add(BENCH, "hybridengine", model, c, "tokens_per_s", [ctx.world * tokens / t for t in times])
+                ctx.record_peak(peaks[tokens], BENCH, "hybridengine", model, c)
                 ctx.log(f"  {BENCH} optimizer {model} offload={mode} {tokens} tokens: {quantiles(times)[1]:.2f} s, "
                         f"{ctx.world * tokens / quantiles(times)[1]:,.0f} tok/s")
             report = engine.memory_report()
-            for key in ("optimizer", "host_optimizer", "host_pinned_total"):
+            for key in ("parameters_shard", "gradients", "optimizer", "host_optimizer", "host_pinned_total"):
                 ctx.rec.add(BENCH, "hybridengine", model, {**case, "source": "memory_report", "key": key}, "GiB",
                             float(report[key]))
             del engine

@@ -149,6 +149,22 @@ def test_long_tail_lengths_reject_bad_values(text):
         _tail_lengths(text)
 
 
+def test_offload_optimizer_suite_rows_on_cpu(tmp_path):
+    """bench offload_optimizer on a tiny model: the most tokens per micro-batch for both settings, seconds and
+    tokens/s at every rung of the ladder, and the resident figures of memory_report."""
+    rows = run_suite(tmp_path, "offload_optimizer", 0.3, 180)
+    assert not [r for r in rows if r["metric"] == "not_run"]
+    most = {r["case"]["offload"]: r["value"] for r in rows if r["metric"] == "tokens"}
+    assert set(most) == {"none", "optimizer"} and all(v > 0 for v in most.values()), most
+    for mode in most:
+        rungs = {r["case"]["tokens_per_gpu"] for r in rows if r["case"].get("offload") == mode
+                 and r["metric"] == "tokens_per_s"}
+        assert max(rungs) == most[mode], (mode, rungs)
+    keys = {(r["case"]["offload"], r["case"]["key"]) for r in rows if r["case"].get("source") == "memory_report"}
+    assert keys == {(m, k) for m in most for k in ("parameters_shard", "gradients", "optimizer", "host_optimizer",
+                                                     "host_pinned_total")}
+
+
 def test_offload_rollout_suite_rows_on_cpu(tmp_path):
     """bench offload_rollout on a tiny model: every part with both settings, and the transfer rows (where the
     round trip's time goes) for offload 'rollout' only."""
