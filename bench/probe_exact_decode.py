@@ -8,8 +8,9 @@ so a decode program computes a 64-row tile for a GQA group of 6 or 7 query heads
 softmax is a register reduction whose order follows the tile's layout, which is why the tiles are shared;
 this probe measures whether smaller row tiles (less MMA work per decode program) keep the bits anyway. For
 each config: whether every row of a batch of mixed lengths equals the varlen kernel's, at the Qwen2.5-1.5B and
-Qwen2-7B head shapes (bf16), and the decode time at 256 sequences of 256-token context (20 launches in a CUDA
-graph, CUDA events around each replay, 10 warm-up launches, median and p20/p80 of 50 replays). Rows (JSONL): bench/results/probe_exact_decode.jsonl.
+Qwen2-7B head shapes (bf16), and the decode time at 256 sequences of 256-token context (`graph_seconds`: 20
+launches in a CUDA graph, median and p20/p80 of 50 replays; a launch timed alone measures the host's launch
+overhead, not the kernel). Rows (JSONL): bench/results/probe_exact_decode.jsonl.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import append_jsonl
+from bench.common import append_jsonl, graph_seconds
 
 SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "qwen2-7b": (28, 4, 128)}
 """Query heads, KV heads, head_dim."""
@@ -66,28 +67,6 @@ def _paged(k, v, lens, page):
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def _time(fn, warmup: int, repeats: int, per_graph: int = 20) -> list[float]:
-    """Seconds per launch: `per_graph` launches captured in one CUDA graph, each replay timed by CUDA events.
-    A launch timed alone measures the host's launch overhead (tens of microseconds), not the kernel."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / per_graph)
-    return times
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                 def launch(config=config):
                     EA.exact_decode_attention_triton(tq, tk_cache, tv_cache, ttables, tlens, scale=scale, config=config)
 
-                times = _time(launch, 10, 50)
+                times = graph_seconds(launch, calls=20, warmup=10, replays=50)
                 qs = statistics.quantiles(times, n=10)
                 row.update(batch=batch, context=ctx, seconds=statistics.median(times), p20=qs[1], p80=qs[7])
             rows.append(row)

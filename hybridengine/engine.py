@@ -549,8 +549,7 @@ class HybridEngine:
         """offload 'rollout' with a growing cache (`_kv_grows`): start the optimizer state's copy to host
         memory, and return a cache that starts in the memory free now and its `_KVGrowth`."""
         offload = self._training.optimizer.offload
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the cache maps memory outside torch's allocator: give its idle blocks back
+        _empty_device_cache(self.device)  # the cache maps memory outside torch's allocator: give its idle blocks back
         freed = offload.device_state_bytes()
         offload.to_host(wait=False)
         kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank, freed_bytes=freed)
