@@ -49,6 +49,8 @@ from .e2e import CPU_E2E, GPU_E2E, E2EWork
 BENCH = "offload"
 ROLLOUT = os.environ.get("HE_BENCH_OFFLOAD_ROLLOUT", "512x2048")
 """The big rollout: sequences x new tokens per GPU (scale it down, e.g. 128x1024, for a quick pass)."""
+PARTS = tuple(os.environ.get("HE_BENCH_OFFLOAD_PARTS", "grpo_step,big_rollout").split(","))
+"""The parts of offload_rollout that run after kv_capacity, which always does (a quick pass: PARTS empty)."""
 PROMPT = 128
 SEQ = 1024
 """Tokens per training sequence in the micro-batch ladder."""
@@ -87,6 +89,10 @@ def _models(ctx: Ctx) -> list[str]:
 def offload_rollout(ctx: Ctx) -> None:
     import hybridengine as he
 
+    unknown = set(PARTS) - {"", "grpo_step", "big_rollout"}
+    if unknown:
+        raise ValueError(f"HE_BENCH_OFFLOAD_PARTS names grpo_step and big_rollout (comma-separated, or empty), got "
+                         f"{sorted(unknown)}")
     w: E2EWork = GPU_E2E if ctx.cuda else CPU_E2E
     seqs, new_tokens = (int(x) for x in ROLLOUT.lower().split("x")) if ctx.cuda else (8, 8)
     for model in _models(ctx):
@@ -124,8 +130,10 @@ def offload_rollout(ctx: Ctx) -> None:
                     f"optimizer on device {report['optimizer']:.1f} GiB, host "
                     f"{report['host_optimizer']:.1f} GiB")
         ctx.log(f"  {BENCH} kv_capacity {model}: rollout/none = {capacity['rollout'] / capacity['none']:.2f}x")
-        _grpo_steps(ctx, engine, model, w, ppo)
-        _big_rollout(ctx, engine, model, seqs, new_tokens, capacity["none"])
+        if "grpo_step" in PARTS:
+            _grpo_steps(ctx, engine, model, w, ppo)
+        if "big_rollout" in PARTS:
+            _big_rollout(ctx, engine, model, seqs, new_tokens, capacity["none"])
         del engine
         release_memory()
 

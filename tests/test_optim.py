@@ -24,7 +24,7 @@ import copy
 import pytest
 import torch
 
-from hybridengine.train.optimizer import FlatAdamW, _use_kernel, adamw_step_ref
+from hybridengine.train.optimizer import FlatAdamW, _use_kernel, adamw_step_ref, mask_ranges
 
 U = 2.0**-24
 SIZES = (1, 17, 300, 1000)
@@ -540,3 +540,115 @@ def test_cuda_kernel_split_master_matches_reference():
         for pg, lg, pc, lc in zip(gpu.params, gpu.master_lo, cpu.params, cpu.master_lo):
             pc.copy_(pg.cpu())
             lc.copy_(lg.cpu())
+
+
+# --------------------------------------------------------------------------------------------
+# decay ranges: the trainer's form (no per-element mask on the device)
+
+
+def run_masks(sizes=SIZES, seed=3):
+    """Masks made of runs (as a model's matrices, norms and biases lie in a unit), each starting set or not."""
+    g = torch.Generator().manual_seed(seed)
+    masks = []
+    for n in sizes:
+        m = torch.zeros(n, dtype=torch.bool)
+        cuts = sorted(torch.randint(0, n + 1, (6,), generator=g).tolist())
+        for a, b in zip(cuts[0::2], cuts[1::2]):
+            m[a:b] = True
+        masks.append(m)
+    return masks
+
+
+@pytest.mark.parametrize("mask", [
+    [], [0], [1], [1, 1, 1], [0, 0, 1], [1, 0, 0], [1, 0, 1, 1, 0, 0, 1], [0, 1, 1, 0],
+])
+def test_mask_ranges_are_the_runs_of_the_mask(mask):
+    m = torch.tensor(mask, dtype=torch.bool)
+    ranges = mask_ranges(m)
+    back = torch.zeros(len(mask), dtype=torch.bool)
+    for a, b in ranges:
+        assert a < b
+        back[a:b] = True
+    assert torch.equal(back, m)
+    assert all(b1 < a2 for (_, b1), (a2, _) in zip(ranges, ranges[1:]))  # disjoint, not touching: maximal runs
+
+
+@pytest.mark.parametrize("launcher", ["reference", "kernel"])
+@pytest.mark.parametrize("dtype,master_weights", [
+    (torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "split"), (torch.bfloat16, False),
+])
+def test_decay_ranges_and_bools_equal_the_mask_bitwise(monkeypatch, launcher, dtype, master_weights):
+    """FlatAdamW with each unit's decay as ranges (or a bool where the mask is uniform) against the same
+    optimizer with per-element masks: the same bits, through the reference and through the kernel (the
+    interpreter on CPU), where each run is its own launch with one decay flag."""
+    import hybridengine.train.optimizer as optim
+
+    if launcher == "kernel":
+        monkeypatch.setattr(optim, "_use_kernel", lambda device: True)
+    params, _ = make_units(dtype=dtype)
+    masks = run_masks()
+    masks[0] = torch.ones(SIZES[0], dtype=torch.bool)  # uniform units: given as bools below
+    masks[1] = torch.zeros(SIZES[1], dtype=torch.bool)
+    by_mask = FlatAdamW([p.clone() for p in params], masks, lr=3e-3, weight_decay=0.2, master_weights=master_weights)
+    compact = [True, False] + [mask_ranges(m) for m in masks[2:]]
+    by_ranges = FlatAdamW([p.clone() for p in params], compact, lr=3e-3, weight_decay=0.2,
+                          master_weights=master_weights)
+    assert len(list(by_ranges.decay_runs(3, 0, SIZES[3]))) > 1
+    for step in range(3):
+        grads = make_grads(seed=step)
+        by_mask.step(grads, grad_scale=0.7)
+        by_ranges.step(grads, grad_scale=0.7)
+        for kind, ts in by_mask.state_lists().items():
+            for i, (x, y) in enumerate(zip(by_ranges.state_lists()[kind], ts)):
+                assert_bitwise(x, y, f"step {step} {kind}[{i}]")
+        for i, (x, y) in enumerate(zip(by_ranges.params, by_mask.params)):
+            assert_bitwise(x, y, f"step {step} params[{i}]")
+
+
+def test_decay_ranges_through_the_streamed_offload_step_equal_the_mask_bitwise():
+    """Offload 'optimizer': chunks of the streamed step cut across the decay runs."""
+    params, _ = make_units(dtype=torch.bfloat16)
+    masks = run_masks()
+    ref = FlatAdamW([p.clone() for p in params], masks, lr=1e-2, weight_decay=0.1, master_weights="split")
+    streamed = FlatAdamW([p.clone() for p in params], [mask_ranges(m) for m in masks], lr=1e-2, weight_decay=0.1,
+                         master_weights="split", offload="optimizer")
+    streamed.offload.step_chunk_numel = 37
+    for step in range(2):
+        grads = make_grads(seed=10 + step)
+        ref.step(grads)
+        streamed.step(grads)
+    for kind, ts in ref.state_lists().items():
+        for i, (x, y) in enumerate(zip(streamed.state_lists()[kind], ts)):
+            assert_bitwise(x, y, f"{kind}[{i}]")
+    for i, (x, y) in enumerate(zip(streamed.params, ref.params)):
+        assert_bitwise(x, y, f"params[{i}]")
+
+
+def test_reference_takes_a_bool_for_the_whole_unit():
+    params, _ = make_units((300,))
+    g = make_grads((300,))[0]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.3, step=1)
+    for flag in (True, False):
+        a = [params[0].clone(), torch.zeros(300), torch.zeros(300)]
+        b = [params[0].clone(), torch.zeros(300), torch.zeros(300)]
+        adamw_step_ref(a[0], a[1], a[2], g, flag, **kw)
+        adamw_step_ref(b[0], b[1], b[2], g, torch.full((300,), flag), **kw)
+        for x, y in zip(a, b):
+            assert_bitwise(x, y, f"decay={flag}")
+
+
+@pytest.mark.parametrize("ranges,match", [
+    ([(0, 2), (1, 3)], r"decay_masks\[1\] must hold sorted, disjoint, non-empty \(start, end\) int ranges inside "
+                       r"\[0, 3\), got \(1, 3\) after end 2"),
+    ([(2, 3), (0, 1)], r"got \(0, 1\) after end 3"),
+    ([(0, 4)], r"inside \[0, 3\), got \(0, 4\)"),
+    ([(1, 1)], r"non-empty .* got \(1, 1\)"),
+    ([(-1, 2)], r"got \(-1, 2\)"),
+    ([(0.0, 2)], r"int ranges .* got \(0.0, 2\)"),
+    ([(0, 1, 2)], r"got \(0, 1, 2\)"),
+    ("all", r"decay_masks\[1\] must be a mask tensor, a bool or a list of \(start, end\) ranges, got"),
+])
+def test_decay_range_errors(ranges, match):
+    params, masks = _units()
+    with pytest.raises(ValueError, match=match):
+        FlatAdamW(params, [masks[0], ranges], lr=1e-3)

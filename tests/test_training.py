@@ -265,6 +265,42 @@ def test_gradients_freed_after_step_unless_kept():
         assert torch.equal(w, full_weights(freed)[name]), name
 
 
+@pytest.mark.parametrize("checkpointing,keep_grads", [(True, False), (False, True)])
+def test_failed_step_lets_go_of_its_gradients(monkeypatch, checkpointing, keep_grads):
+    """A step that fails in its backward (out of memory, injected at the third unit's reduce, after some
+    units' gradient shards exist) holds no gradient afterwards (its memory is free again), changes no
+    weight, and the engine's next step equals that of an engine that never failed, bit for bit."""
+    from hybridengine.train.trainer import Trainer
+
+    hf = build()
+    batches = make_batches(hf, 1, steps=2)
+    ref, ref_losses = engine_run(hf, batches, 0, 1, checkpointing, keep_grads=keep_grads)
+    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=64, max_num_seqs=4,
+                                                 keep_grads=keep_grads))
+    cfg = he.PPOConfig(**CFG, activation_checkpointing=checkpointing)
+    losses = [engine.ppo_step(he.PPOBatch(**batches[0][0]), cfg)["loss"]]
+    before = full_weights(engine)
+    real, calls = Trainer._reduce, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_reduce", failing)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        engine.ppo_step(he.PPOBatch(**batches[1][0]), cfg)
+    monkeypatch.setattr(Trainer, "_reduce", real)
+    assert engine.trainer.held_gradients == [] and engine.memory_report()["gradients"] == 0.0
+    for name, w in full_weights(engine).items():
+        assert torch.equal(w, before[name]), name
+    losses.append(engine.ppo_step(he.PPOBatch(**batches[1][0]), cfg)["loss"])
+    assert losses == ref_losses
+    for name, w in full_weights(engine).items():
+        assert torch.equal(w, full_weights(ref)[name]), name
+
+
 def golden_run() -> tuple[list[float], float, float]:
     """The tiny deterministic run of the golden file (tiny-qwen2, one rank, STEPS steps): its per-step
     losses, and the first step's loss by the fp32 and the fp64 reference (the formulas over a plain

@@ -437,11 +437,7 @@ class StateOffload:
                 if cuda:
                     compute.wait_event(fetched.pop(c))
                 slot = slots[c % len(slots)]
-                state = {k: slot[k][:b - a] for k in kinds}
-                p = opt.params[i][a:b]
-                master, param = opt.master_and_param(state, p)
-                update(master, state["exp_avg"], state["exp_avg_sq"], grads[i][a:b], opt.decay_masks[i][a:b],
-                       param, **hyper)
+                opt.update_range(update, i, a, b, {k: slot[k][:b - a] for k in kinds}, grads[i][a:b], hyper)
                 write_back(c)
         finally:
             if cuda:  # every chunk is back in host memory before the slots go back to the allocator

@@ -19,8 +19,14 @@ within a few fp32 ulps of torch (its CPU lerp is an FMA in the vector loop, and 
 not correctly rounded on every input; tests/test_optim.py derives the bound).
 
 Bytes per element and step, bf16 weights with fp32 master: 4 (g) + 2 x 4 (m) + 2 x 4 (v) + 2 x 4
-(master) + 1 (mask) + 2 (param) = 31 B, against 84 B for the eight elementwise passes of torch's
-single-tensor AdamW on fp32 params (mul_, lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_).
+(master) + 2 (param) = 30 B, plus 1 with a per-element decay mask, against 84 B for the eight
+elementwise passes of torch's single-tensor AdamW on fp32 params (mul_, lerp_, mul_, addcmul_, sqrt, div,
+add_, addcdiv_).
+
+Weight decay is given per unit as a per-element mask or as the ranges of elements that decay
+(`mask_ranges`): a model's matrices and its norms and biases sit in a few long runs of each unit, so
+the trainer passes ranges, and each run is one launch with one decay flag. A mask costs a byte per
+parameter on the device for as long as the optimizer lives (7 GiB for a 7B model).
 """
 
 from __future__ import annotations
@@ -86,10 +92,45 @@ def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32).view(hi.shape)
 
 
+def mask_ranges(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The runs of set elements of a 1-D mask, as sorted, disjoint [start, end) pairs (FlatAdamW's
+    decay ranges)."""
+    m = mask.reshape(-1).to(device="cpu", dtype=torch.int8)
+    zero = torch.zeros(1, dtype=torch.int8)
+    edges = torch.diff(m, prepend=zero, append=zero).nonzero().squeeze(1).tolist()
+    return list(zip(edges[0::2], edges[1::2]))
+
+
+def decay_segments(op: str, ranges, numel: int) -> list[tuple[int, int, bool]]:
+    """Decay `ranges` (sorted, disjoint [start, end) pairs inside [0, numel)) -> (start, end, decays)
+    runs covering [0, numel), adjacent ranges merged; raises ValueError naming `op` on bad ranges."""
+    if not isinstance(ranges, (list, tuple)):
+        raise ValueError(f"{op} must be a mask tensor, a bool or a list of (start, end) ranges, got "
+                         f"{checks.describe(ranges)}")
+    runs, end = [], 0
+    for r in ranges:
+        ok = (isinstance(r, (list, tuple)) and len(r) == 2
+              and all(isinstance(x, int) and not isinstance(x, bool) for x in r))
+        if not ok or not end <= r[0] < r[1] <= numel:
+            raise ValueError(f"{op} must hold sorted, disjoint, non-empty (start, end) int ranges inside [0, {numel}), "
+                             f"got {r!r} after end {end}")
+        if runs and runs[-1][1] == r[0] and runs[-1][2]:
+            runs[-1] = (runs[-1][0], r[1], True)
+        else:
+            if r[0] > end:
+                runs.append((end, r[0], False))
+            runs.append((r[0], r[1], True))
+        end = r[1]
+    if end < numel:
+        runs.append((end, numel, False))
+    return runs
+
+
 def check_unit(op: str, master, exp_avg, exp_avg_sq, grad, decay_mask, param) -> None:
     """One unit's tensors: 1-D, contiguous, same numel and device; moments and grad fp32; master
     and param bf16/fp16/fp32, or master int16 (the low half of a split master) with param bf16;
-    mask uint8/bool. The checks of the public reference; the kernel's launcher asserts the same."""
+    mask uint8/bool, or a bool (decay for every element or none). The checks of the public
+    reference; the kernel's launcher asserts the same."""
     if not isinstance(master, torch.Tensor) or master.dim() != 1 or master.stride(0) != 1:
         raise ValueError(f"{op}: master must be a contiguous 1-D tensor, got {checks.describe(master)}")
     if master.dtype == torch.int16:
@@ -100,7 +141,9 @@ def check_unit(op: str, master, exp_avg, exp_avg_sq, grad, decay_mask, param) ->
         raise ValueError(f"{op}: master must be bf16, fp16, fp32 or int16 (split), got {master.dtype}")
     n, device = master.numel(), master.device
     named = [("exp_avg", exp_avg, (torch.float32,)), ("exp_avg_sq", exp_avg_sq, (torch.float32,)),
-             ("grad", grad, (torch.float32,)), ("decay_mask", decay_mask, MASK_DTYPES)]
+             ("grad", grad, (torch.float32,))]
+    if not isinstance(decay_mask, bool):
+        named.append(("decay_mask", decay_mask, MASK_DTYPES))
     if param is not None:
         named.append(("param", param, PARAM_DTYPES))
     for name, t, dtypes in named:
@@ -114,14 +157,14 @@ def check_unit(op: str, master, exp_avg, exp_avg_sq, grad, decay_mask, param) ->
 
 
 def adamw_step_ref(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                   decay_mask: torch.Tensor, param: torch.Tensor | None = None, *, lr: float, beta1: float,
+                   decay_mask: torch.Tensor | bool, param: torch.Tensor | None = None, *, lr: float, beta1: float,
                    beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float = 1.0) -> None:
     """One AdamW step of one unit, in place, in plain torch (the spec of the fused kernel).
 
     master [n] (fp32; or the bf16/fp16 params themselves when there is no master copy, then the
     update runs in fp32 and is rounded back; or int16, the low half of a split master whose high
     half is the bf16 `param`: `join_master` / `split_master`), exp_avg / exp_avg_sq / grad [n] fp32,
-    decay_mask [n] (nonzero: decay), param [n] or None: receives `master` rounded to its dtype (round
+    decay_mask [n] (nonzero: decay) or a bool (every element or none), param [n] or None: receives `master` rounded to its dtype (round
     to nearest even, as `Tensor.to`; split: `split_master`'s high half). `grad` is read as
     `grad * grad_scale`; `step` counts from 1."""
     check_unit("adamw_step_ref", master, exp_avg, exp_avg_sq, grad, decay_mask, param)
@@ -130,7 +173,10 @@ def adamw_step_ref(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
     with torch.no_grad():
         g = grad * _f32(grad_scale)
         p = join_master(param, master) if split else master.float()
-        p = torch.where(decay_mask.bool(), p * s["decay_factor"], p)
+        if isinstance(decay_mask, bool):
+            p = p * s["decay_factor"] if decay_mask else p
+        else:
+            p = torch.where(decay_mask.bool(), p * s["decay_factor"], p)
         m, v, w = exp_avg, exp_avg_sq, s["lerp_weight"]
         if w < 0.5:
             m_new = m + w * (g - m)
@@ -196,8 +242,9 @@ class FlatAdamW:
     """AdamW over one rank's flat shard: one 1-D view per unit into the shared parameter buffer.
 
     `params[i]` are the model weights (bf16/fp16/fp32) and are overwritten by every `step`.
-    `decay_masks[i]` (uint8/bool, same numel) marks the elements that take weight decay (not norms
-    and biases). `lr` is a float or a schedule `step -> lr` (step counts from 1). With
+    `decay_masks[i]` says which elements take weight decay (not norms and biases): a uint8/bool mask of
+    the same numel, a bool for all or none, or the sorted, disjoint (start, end) ranges that decay
+    (`mask_ranges`; no device memory, one launch per run). `lr` is a float or a schedule `step -> lr` (step counts from 1). With
     `master_weights` (default: when params are not fp32) the optimizer keeps fp32 copies, updates
     them and writes their round-to-nearest-even into the params; without, an fp32 param is its own
     master and a bf16/fp16 one is updated in fp32 and rounded back each step. `master_weights="split"`
@@ -231,7 +278,9 @@ class FlatAdamW:
                 raise ValueError(f"params[{i}] must be bf16, fp16 or fp32, got {p.dtype}")
             if p.device != device:
                 raise ValueError(f"params[{i}] is on {p.device}, params[0] on {device}")
-            if not isinstance(mask, torch.Tensor) or mask.shape != p.shape:
+            if not isinstance(mask, torch.Tensor):
+                continue  # a bool or ranges: decay_segments checks them below
+            if mask.shape != p.shape:
                 raise ValueError(f"decay_masks[{i}] must have the shape of params[{i}], {tuple(p.shape)}, got "
                                  f"{checks.describe(mask)}")
             if mask.dtype not in MASK_DTYPES:
@@ -250,7 +299,12 @@ class FlatAdamW:
             raise ValueError(f"offload must be one of {MODES}, got {offload!r}")
 
         self.params = list(params)
-        self.decay_masks = [m.view(torch.uint8) if m.dtype == torch.bool else m for m in decay_masks]
+        self.decay_masks = [m.view(torch.uint8) if isinstance(m, torch.Tensor) and m.dtype == torch.bool else m
+                            for m in decay_masks]
+        # Per unit: (start, end, decay) runs covering it, decay a bool or the mask (sliced per chunk).
+        self._decay_runs = [([(0, p.numel(), m)] if p.numel() else []) if isinstance(m, (torch.Tensor, bool))
+                            else decay_segments(f"decay_masks[{i}]", m, p.numel())
+                            for i, (p, m) in enumerate(zip(self.params, self.decay_masks))]
         # Plain attributes: a trainer may reassign them between steps; `step` validates them again.
         self.lr = lr
         self.betas = (float(betas[0]), float(betas[1]))
@@ -327,11 +381,28 @@ class FlatAdamW:
         for i, p in enumerate(self.params):
             if p.numel() == 0:
                 continue
-            state = {"exp_avg": self.exp_avg[i], "master": self.master[i] if self.master is not None else None,
+            state = {"exp_avg": self.exp_avg[i], "exp_avg_sq": self.exp_avg_sq[i],
+                     "master": self.master[i] if self.master is not None else None,
                      "master_lo": self.master_lo[i] if self.master_lo is not None else None}
-            master, param = self.master_and_param(state, p)
-            update(master, self.exp_avg[i], self.exp_avg_sq[i], grads[i], self.decay_masks[i], param, **hyper)
+            self.update_range(update, i, 0, p.numel(), state, grads[i], hyper)
         self.num_steps = step
+
+    def decay_runs(self, i: int, start: int, end: int):
+        """(start, end, decay) runs of elements [start, end) of unit i: decay a bool, or the mask's slice."""
+        for a, b, decay in self._decay_runs[i]:
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                yield lo, hi, decay if isinstance(decay, bool) else decay[lo:hi]
+
+    def update_range(self, update: Callable, i: int, start: int, end: int, state: dict, grad: torch.Tensor,
+                     hyper: dict) -> None:
+        """The AdamW update of elements [start, end) of unit i, one call of `update` per decay run: `state`
+        holds that range's state tensors by kind (views indexed from 0 at `start`), `grad` its gradient."""
+        p = self.params[i][start:end]
+        for a, b, decay in self.decay_runs(i, start, end):
+            part = {k: (t[a - start:b - start] if t is not None else None) for k, t in state.items()}
+            master, param = self.master_and_param(part, p[a - start:b - start])
+            update(master, part["exp_avg"], part["exp_avg_sq"], grad[a - start:b - start], decay, param, **hyper)
 
     def master_and_param(self, state: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The (master, param) arguments of one unit's (or chunk's) update: the int16 low half and the

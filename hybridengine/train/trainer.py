@@ -37,7 +37,7 @@ from hybridengine.sharding.switch import ShardedBuffer
 from hybridengine.train.batch import PPOBatch, plan_micro_batches
 from hybridengine.train.config import PPOConfig, TrainConfig, ValueConfig
 from hybridengine.train.losses import LossFields, LossFnError
-from hybridengine.train.optimizer import FlatAdamW
+from hybridengine.train.optimizer import FlatAdamW, mask_ranges
 from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - bench.prefill_attention imports it from here
 from hybridengine.train.released_params import ReleasedParams
 
@@ -69,9 +69,9 @@ class Trainer:
         self.critic = config.value_head
         self.tied = config.tie_word_embeddings and not self.critic
         self.head_name = "score.weight" if self.critic else "model.embed_tokens.weight" if self.tied else "lm_head.weight"
-        self._decay, self._replicated = self._masks()
-        # Where the replicated copies sit in each shard (few elements: norms and biases), for the grad norm.
-        self._replicated_index = [r.nonzero().squeeze(1) for r in self._replicated]
+        # Per unit shard: the ranges that take weight decay, and where the replicated copies sit (few
+        # elements: norms and biases), for the grad norm. No per-element mask stays on the device.
+        self._decay, self._replicated_index = self._masks()
         # Validated before it is kept: a rejected config must not stay behind to fail every later call.
         if optimizer_config is not None:
             if not isinstance(optimizer_config, (TrainConfig, ValueConfig)):
@@ -133,9 +133,11 @@ class Trainer:
 
     # -- masks over the flat shards ------------------------------------------------------------------
 
-    def _masks(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per unit shard: 1 where weight decay applies (matrices, not norms/biases), and 1 on copies of
-        replicated parameters (the norm counts them once: each of the tg slices holds one)."""
+    def _masks(self) -> tuple[list[list[tuple[int, int]]], list[torch.Tensor]]:
+        """Per unit shard: the (start, end) ranges where weight decay applies (matrices, not norms/biases),
+        and the indices of copies of replicated parameters (the norm counts them once: each of the tg
+        slices holds one). Built on the host: a per-element mask on the device would cost a byte per
+        parameter for the trainer's lifetime."""
         decay, replicated = [], []
         for unit in self.layout.units:
             d = torch.zeros(unit.numel, dtype=torch.bool)
@@ -146,8 +148,8 @@ class Trainer:
                 d[piece.offset:piece.offset + piece.slot_numel] = len(s.shape) >= 2
                 r[piece.offset:piece.offset + piece.slot_numel] = s.role == "replicated"
             start, end = unit.shard_range(self.sharded.rank)
-            decay.append(d[start:end].to(self.device))
-            replicated.append(r[start:end].to(self.device))
+            decay.append(mask_ranges(d[start:end]))
+            replicated.append(r[start:end].nonzero().squeeze(1).to(self.device))
         return decay, replicated
 
     # -- the pieces of the model, on explicit weights ---------------------------------------------------
@@ -511,13 +513,12 @@ class Trainer:
                 stats = self._micro_step(batch, rows, c, head_loss, cfg.activation_checkpointing)
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + w * v
-        except LossFnError:  # every rank raises it here, before the optimizer: drop the step's partial gradients
-            self._finish_reduces()
-            self._grads, self._fresh = None, set()
+            for u in self._fresh:  # a unit no micro-batch reduced: zero gradient
+                self._grads[u] = self._new_grad(u).zero_()
+            grad_norm = self._clip_and_step(cfg)
+        except BaseException as err:
+            self._drop_grads(wait=isinstance(err, LossFnError))
             raise
-        for u in self._fresh:  # a unit no micro-batch reduced: zero gradient
-            self._grads[u] = self._new_grad(u).zero_()
-        grad_norm = self._clip_and_step(cfg)
         if not self.keep_grads:
             self._grads = None  # back to the allocator's cache: the next forward's activations reuse it
         opt = self._optimizer
@@ -538,6 +539,18 @@ class Trainer:
                 raise FloatingPointError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return totals
+
+    def _drop_grads(self, wait: bool) -> None:
+        """A step failed: let go of its partial gradients (up to 4 B per parameter of the shard), so the
+        memory it took (an out-of-memory step's, say) is free again. `wait`: finish the reduce-scatter in
+        flight first (a failure every rank raises alike, `LossFnError`); otherwise a peer may never join
+        it, and the reference is dropped (the work keeps its buffers until it ends)."""
+        try:
+            if wait:
+                self._finish_reduces()
+        finally:
+            self._pending = None
+            self._grads, self._fresh = None, set()
 
     def _loss_weights(self, batch: PPOBatch, groups: list[list[int]], cfg, counts: dict | None
                       ) -> tuple[list[float], list[float]]:
