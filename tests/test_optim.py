@@ -577,25 +577,24 @@ def test_mask_ranges_are_the_runs_of_the_mask(mask):
 @pytest.mark.parametrize("dtype,master_weights", [
     (torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "split"), (torch.bfloat16, False),
 ])
-def test_decay_ranges_and_bools_equal_the_mask_bitwise(monkeypatch, launcher, dtype, master_weights):
+def test_decay_ranges_and_bools_equal_the_mask_bitwise(monkeypatch, device, launcher, dtype, master_weights):
     """FlatAdamW with each unit's decay as ranges (or a bool where the mask is uniform) against the same
     optimizer with per-element masks: the same bits, through the reference and through the kernel (the
     interpreter on CPU), where each run is its own launch with one decay flag."""
     import hybridengine.train.optimizer as optim
 
-    if launcher == "kernel":
-        monkeypatch.setattr(optim, "_use_kernel", lambda device: True)
-    params, _ = make_units(dtype=dtype)
-    masks = run_masks()
-    masks[0] = torch.ones(SIZES[0], dtype=torch.bool)  # uniform units: given as bools below
-    masks[1] = torch.zeros(SIZES[1], dtype=torch.bool)
+    monkeypatch.setattr(optim, "_use_kernel", lambda _: launcher == "kernel")
+    params, _ = make_units(dtype=dtype, device=device)
+    masks = [m.to(device) for m in run_masks()]
+    masks[0] = torch.ones(SIZES[0], dtype=torch.bool, device=device)  # uniform units: given as bools below
+    masks[1] = torch.zeros(SIZES[1], dtype=torch.bool, device=device)
     by_mask = FlatAdamW([p.clone() for p in params], masks, lr=3e-3, weight_decay=0.2, master_weights=master_weights)
     compact = [True, False] + [mask_ranges(m) for m in masks[2:]]
     by_ranges = FlatAdamW([p.clone() for p in params], compact, lr=3e-3, weight_decay=0.2,
                           master_weights=master_weights)
     assert len(list(by_ranges.decay_runs(3, 0, SIZES[3]))) > 1
     for step in range(3):
-        grads = make_grads(seed=step)
+        grads = make_grads(seed=step, device=device)
         by_mask.step(grads, grad_scale=0.7)
         by_ranges.step(grads, grad_scale=0.7)
         for kind, ts in by_mask.state_lists().items():
