@@ -559,3 +559,23 @@ def test_probe_offload_transfers_harness_on_cpu(capsys):
     out = capsys.readouterr().out
     for what in ("alloc allocate_state: ", "copy copy_out: ", "copy copy_back: "):
         assert what in out, out
+
+
+def test_probe_step_memory_marks_every_phase_and_restores_what_it_wrapped(capsys):
+    """The probe's harness on CPU (tiny model, both modes, two consecutive steps): one JSON line per step with
+    the marks of every phase in order, and the trainer's methods as they were."""
+    import json
+
+    from bench import probe_step_memory
+    from hybridengine.train.trainer import Trainer
+
+    wrapped = [getattr(Trainer, m) for m in ("_forward_layers_with_graphs", "_micro_step", "_clip_and_step", "_reduce")]
+    rows = probe_step_memory.main(["--reps", "2", "--sync-after-forward"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert printed == json.loads(json.dumps(rows)) and len(rows) == 4
+    assert [(r["mode"], r["rep"]) for r in rows] == [("none", 0), ("none", 1), ("optimizer", 0), ("optimizer", 1)]
+    for r in rows:
+        assert r["ok"] and [label for label, _, _ in r["trace"]] == [
+            "start", "forward", "micro_batch", "optimizer_step", "end"]
+    assert [getattr(Trainer, m) for m in ("_forward_layers_with_graphs", "_micro_step", "_clip_and_step",
+                                          "_reduce")] == wrapped
