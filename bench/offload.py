@@ -19,10 +19,11 @@ off in its config, so both see the same weights, optimizer state and allocator):
   prompts) with offload 'rollout', against the largest batch whose KV fits the 'none' cache (no
   preemption) with offload 'none': generate seconds, response tokens/s, preempted sequences.
 
-`offload_optimizer` (engines with offload 'none' and 'optimizer'): the most tokens per micro-batch a
-training step takes without activation checkpointing (sequences of SEQ tokens, one micro-batch;
-TOKEN_LADDER doubling up to the first out-of-memory, then halfway steps), and tokens/s at each
-count that ran: rows `tokens` (the most that ran) and `tokens_per_s` / `seconds` per count.
+`offload_optimizer` (engines with offload 'none' and 'optimizer', or HE_BENCH_OFFLOAD_MODES): the most
+tokens per micro-batch a training step takes without activation checkpointing (sequences of SEQ tokens,
+one micro-batch; TOKEN_LADDER climbed up to the first out-of-memory), and tokens/s and peak memory at each
+count that ran: rows `tokens` (the most that ran; count first_failed: the rung that failed) and
+`tokens_per_s` / `seconds` / `peak_GiB` per count.
 
 `offload_deepspeed`: DeepSpeed ZeRO-3 with `offload_optimizer: cpu` (its CPU Adam, pinned host memory)
 on the same ladder of micro-batches (HF forward with labels: full logits), most tokens and tokens/s.
@@ -57,8 +58,15 @@ SEQ = 1024
 KV_SEQS = 1024
 """max_num_seqs while the KV capacity is measured: with max_model_len 4096 the cap on the cache (what
 running sequences can hold, 240 GB at 7B) does not bind, so the cache gets what memory leaves."""
-TOKEN_LADDER = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+TOKEN_LADDER = (2048, 4096, 8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768, 40960, 49152, 65536,
+                98304, 131072)
+"""Tokens per micro-batch, climbed until the first step that runs out of memory. Nothing runs after a
+failure: in one process, rungs run after an out-of-memory step were seen to peak about 25 GiB higher than
+the same step in a fresh process (docs/memory.md), so a bisection below the failure would measure that."""
 CPU_LADDER = (32, 64)
+MODES = tuple(os.environ.get("HE_BENCH_OFFLOAD_MODES", "none,optimizer").split(","))
+"""The offload modes offload_optimizer climbs the ladder with, in one process; on the GPU run each in its
+own (`HE_BENCH_OFFLOAD_MODES=none`, then `=optimizer`, under one run id), since each ends in a failure."""
 
 
 def _engine(ctx: Ctx, model: str, offload: str, **overrides):
@@ -285,39 +293,30 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def _ladder(ctx: Ctx, try_step) -> tuple[int, dict[int, list[float]]]:
-    """Doubling token counts until the first failure for memory, then the halfway counts below it:
-    (the most tokens that ran, {tokens: seconds per step})."""
+def _ladder(ctx: Ctx, try_step) -> tuple[int, dict[int, list[float]], int | None]:
+    """The ladder's token counts in order until the first failure for memory: (the most tokens that ran,
+    {tokens: seconds per step}, the first count that failed or None)."""
     ladder = TOKEN_LADDER if ctx.cuda else CPU_LADDER
     ran: dict[int, list[float]] = {}
-    failed = None
     for tokens in ladder:
         times = try_step(tokens)
         if times is None:
-            failed = tokens
-            break
+            return (max(ran) if ran else 0), ran, tokens
         ran[tokens] = times
-    if failed is not None and ran:  # bisect twice between the last that ran and the first that did not
-        low, high = max(ran), failed
-        for _ in range(2):
-            mid = (low + high) // 2 // SEQ * SEQ
-            if mid in (low, high):
-                break
-            times = try_step(mid)
-            if times is None:
-                high = mid
-            else:
-                ran[mid], low = times, mid
-    return (max(ran) if ran else 0), ran
+    return (max(ran) if ran else 0), ran, None
 
 
 def offload_optimizer(ctx: Ctx) -> None:
     import hybridengine as he
 
+    unknown = set(MODES) - {"none", "rollout", "optimizer"}
+    if unknown or not MODES:
+        raise ValueError(f"HE_BENCH_OFFLOAD_MODES names offload modes (none, rollout, optimizer; comma-separated), "
+                         f"got {sorted(unknown) or MODES}")
     seq = SEQ if ctx.cuda else 16
     for model in _models(ctx):
         most = {}
-        for mode in ("none", "optimizer"):
+        for mode in MODES:
             engine = _engine(ctx, model, mode)
             vocab = engine.vocab_size
 
@@ -341,9 +340,11 @@ def offload_optimizer(ctx: Ctx) -> None:
                     release_memory()
 
             peaks = {}  # per rung that ran: the peak, so base + slope x tokens shows what binds each mode
-            most[mode], ran = _ladder(ctx, try_step)
+            most[mode], ran, failed = _ladder(ctx, try_step)
             case = dict(part="max_micro_batch", offload=mode, seq=seq, activation_checkpointing=False)
             ctx.rec.add(BENCH, "hybridengine", model, case, "tokens", float(most[mode]))
+            if failed is not None:
+                ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "first_failed"}, "tokens", float(failed))
             for tokens, times in sorted(ran.items()):
                 c = {**case, "tokens_per_gpu": tokens}
                 ctx.rec.add(BENCH, "hybridengine", model, c, "seconds", times)
@@ -357,7 +358,7 @@ def offload_optimizer(ctx: Ctx) -> None:
                             float(report[key]))
             del engine
             release_memory()
-        if most["none"]:
+        if most.get("none") and "optimizer" in most:
             ctx.log(f"  {BENCH} optimizer {model}: most tokens optimizer/none = {most['optimizer'] / most['none']:.2f}x")
 
 
@@ -426,10 +427,13 @@ def offload_deepspeed(ctx: Ctx) -> None:
                 del ids
                 release_memory()
 
-        most, ran = _ladder(ctx, try_step)
+        most, ran, failed = _ladder(ctx, try_step)
         case = dict(part="max_micro_batch", offload="optimizer (ZeRO-Offload, cpu)", seq=SEQ,
                     activation_checkpointing=False, params=numel)
         ctx.rec.add(BENCH, "deepspeed_zero3_offload", name, case, "tokens", float(most))
+        if failed is not None:
+            ctx.rec.add(BENCH, "deepspeed_zero3_offload", name, {**case, "count": "first_failed"}, "tokens",
+                        float(failed))
         for tokens, times in sorted(ran.items()):
             c = {**case, "tokens_per_gpu": tokens}
             ctx.rec.add(BENCH, "deepspeed_zero3_offload", name, c, "seconds", times)

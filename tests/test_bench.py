@@ -154,7 +154,7 @@ def test_offload_optimizer_suite_rows_on_cpu(tmp_path):
     tokens/s at every rung of the ladder, and the resident figures of memory_report."""
     rows = run_suite(tmp_path, "offload_optimizer", 0.3, 180)
     assert not [r for r in rows if r["metric"] == "not_run"]
-    most = {r["case"]["offload"]: r["value"] for r in rows if r["metric"] == "tokens"}
+    most = {r["case"]["offload"]: r["value"] for r in rows if r["metric"] == "tokens" and "count" not in r["case"]}
     assert set(most) == {"none", "optimizer"} and all(v > 0 for v in most.values()), most
     for mode in most:
         rungs = {r["case"]["tokens_per_gpu"] for r in rows if r["case"].get("offload") == mode
@@ -163,6 +163,38 @@ def test_offload_optimizer_suite_rows_on_cpu(tmp_path):
     keys = {(r["case"]["offload"], r["case"]["key"]) for r in rows if r["case"].get("source") == "memory_report"}
     assert keys == {(m, k) for m in most for k in ("parameters_shard", "gradients", "optimizer", "host_optimizer",
                                                      "host_pinned_total")}
+
+
+def test_offload_optimizer_suite_runs_the_modes_it_is_given(tmp_path):
+    """HE_BENCH_OFFLOAD_MODES: one mode per process on the GPU (each ladder ends in an out-of-memory step);
+    a name that is not a mode fails the suite, naming the knob."""
+    rows = run_suite(tmp_path, "offload_optimizer", 0.3, 180, HE_BENCH_OFFLOAD_MODES="optimizer")
+    assert {r["case"]["offload"] for r in rows if r["case"].get("part") == "max_micro_batch"} == {"optimizer"}
+    env = bench_env(HE_BENCH_OFFLOAD_MODES="none,optimiser")
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", "offload_optimizer", "--cpu", "--out",
+                           str(tmp_path / "bad.jsonl")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert "HE_BENCH_OFFLOAD_MODES names offload modes" in proc.stdout + proc.stderr
+
+
+def test_offload_ladder_stops_at_the_first_failure():
+    """Nothing runs after a step that ran out of memory (it may leave memory behind in the process)."""
+    import types
+
+    from bench import offload
+
+    ctx = types.SimpleNamespace(cuda=True)  # what _ladder reads of the bench's context
+    tried = []
+
+    def try_step(tokens):
+        tried.append(tokens)
+        return None if tokens > 12288 else [1.0]
+
+    most, ran, failed = offload._ladder(ctx, try_step)
+    assert (most, failed) == (12288, 14336) and tried == [2048, 4096, 8192, 10240, 12288, 14336]
+    assert sorted(ran) == tried[:-1]
+    ctx.cuda = False
+    assert offload._ladder(ctx, lambda tokens: [1.0]) == (64, {32: [1.0], 64: [1.0]}, None)
 
 
 def test_offload_rollout_suite_rows_on_cpu(tmp_path):
