@@ -78,7 +78,7 @@ class EngineConfig:
     """Keep the fp32 gradient shards (4 bytes a parameter on each rank's shard) after `ppo_step` /
     `value_step`, for inspection; by default each step allocates them as its reduce-scatters arrive and
     frees them after the optimizer update (FSDP's `zero_grad(set_to_none=True)`), so the forward's
-    activations (checkpointing off) never stack on them."""
+    activations (checkpointing off) never stack on them. A step that fails frees them either way."""
     seed: int = 0
     """Seed of random initialisation (when the source is a config) and of unseeded sampling; in [0, 2**63)."""
     collective_timeout_s: float = 300.0

@@ -91,7 +91,8 @@ class Trainer:
 
     @property
     def grads(self) -> list[torch.Tensor]:
-        """fp32 gradient shard per unit: the last step's with keep_grads, else zeros outside a step."""
+        """fp32 gradient shard per unit: the last step's with keep_grads, else (or after a failed step) zeros
+        outside a step."""
         if self._grads is None:
             self._grads = [None] * len(self.layout.units)
         for u, g in enumerate(self._grads):
