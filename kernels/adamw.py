@@ -1,6 +1,7 @@
 """Fused AdamW step of one flat unit (`hybridengine.train.optimizer.FlatAdamW`): one pass reads grad,
-moments, master weights and the decay mask (or takes one decay flag for the whole range), and writes moments, master and the rounded weights
-(a split master: the bf16 weights are its high half, an int16 tensor its low half).
+moments, master weights and the decay mask (or takes one decay flag for the whole range), and writes
+moments, master and the rounded weights (a split master: the bf16 weights are its high half, an int16
+tensor its low half).
 
 The math and its operation order are `hybridengine.train.optimizer.adamw_step_ref`'s, with the same fp32
 host scalars (`adamw_scalars`), IEEE division and square root (`div_rn`, `sqrt_rn`) and no fp
@@ -118,6 +119,7 @@ def adamw_step_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     if masked and decay_mask.dtype == torch.bool:
         decay_mask = decay_mask.view(torch.uint8)
     _adamw_kernel[(triton.cdiv(n, block_size),)](
+        # without a mask the kernel never reads mask_ptr: any tensor of the launch stands in for it
         grad, exp_avg, exp_avg_sq, master, decay_mask if masked else grad, master if param is None else param, n,
         float(grad_scale), s["decay_factor"], s["lerp_weight"], s["beta2"], s["one_minus_beta2"],
         s["neg_step_size"], s["bias_correction2_sqrt"], s["eps"],

@@ -164,8 +164,9 @@ def adamw_step_ref(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
     master [n] (fp32; or the bf16/fp16 params themselves when there is no master copy, then the
     update runs in fp32 and is rounded back; or int16, the low half of a split master whose high
     half is the bf16 `param`: `join_master` / `split_master`), exp_avg / exp_avg_sq / grad [n] fp32,
-    decay_mask [n] (nonzero: decay) or a bool (every element or none), param [n] or None: receives `master` rounded to its dtype (round
-    to nearest even, as `Tensor.to`; split: `split_master`'s high half). `grad` is read as
+    decay_mask [n] (nonzero: decay) or a bool (every element or none), param [n] or None: receives
+    `master` rounded to its dtype (round to nearest even, as `Tensor.to`; split: `split_master`'s high
+    half). `grad` is read as
     `grad * grad_scale`; `step` counts from 1."""
     check_unit("adamw_step_ref", master, exp_avg, exp_avg_sq, grad, decay_mask, param)
     s = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
@@ -244,7 +245,8 @@ class FlatAdamW:
     `params[i]` are the model weights (bf16/fp16/fp32) and are overwritten by every `step`.
     `decay_masks[i]` says which elements take weight decay (not norms and biases): a uint8/bool mask of
     the same numel, a bool for all or none, or the sorted, disjoint (start, end) ranges that decay
-    (`mask_ranges`; no device memory, one launch per run). `lr` is a float or a schedule `step -> lr` (step counts from 1). With
+    (`mask_ranges`; no device memory, one launch per run). `lr` is a float or a schedule `step -> lr`
+    (step counts from 1). With
     `master_weights` (default: when params are not fp32) the optimizer keeps fp32 copies, updates
     them and writes their round-to-nearest-even into the params; without, an fp32 param is its own
     master and a bf16/fp16 one is updated in fp32 and rounded back each step. `master_weights="split"`
@@ -302,9 +304,12 @@ class FlatAdamW:
         self.decay_masks = [m.view(torch.uint8) if isinstance(m, torch.Tensor) and m.dtype == torch.bool else m
                             for m in decay_masks]
         # Per unit: (start, end, decay) runs covering it, decay a bool or the mask (sliced per chunk).
-        self._decay_runs = [([(0, p.numel(), m)] if p.numel() else []) if isinstance(m, (torch.Tensor, bool))
-                            else decay_segments(f"decay_masks[{i}]", m, p.numel())
-                            for i, (p, m) in enumerate(zip(self.params, self.decay_masks))]
+        self._decay_runs = []
+        for i, (p, m) in enumerate(zip(self.params, self.decay_masks)):
+            if isinstance(m, (torch.Tensor, bool)):
+                self._decay_runs.append([(0, p.numel(), m)] if p.numel() else [])
+            else:
+                self._decay_runs.append(decay_segments(f"decay_masks[{i}]", m, p.numel()))
         # Plain attributes: a trainer may reassign them between steps; `step` validates them again.
         self.lr = lr
         self.betas = (float(betas[0]), float(betas[1]))
