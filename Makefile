@@ -3,7 +3,7 @@
 # make test  : set up, then run the test suite on the CPU in TEST_WORKERS pytest-xdist processes (default 2;
 #              what CI runs: .ci/run)
 # make test-gpu : set up, then build the CUDA extension and run the whole suite on this machine's GPUs
-#                 (scripts/test_gpu.sh: pytest-xdist workers, the 2-GPU NCCL checks where 2 GPUs exist)
+#                 (bin/test_gpu.sh: pytest-xdist workers, the 2-GPU NCCL checks where 2 GPUs exist)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -31,7 +31,7 @@ test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests $(PYTEST_ARGS)
 
 test-gpu: setup
-	PYTHON=$(BIN)/python bash scripts/test_gpu.sh $(PYTEST_ARGS)
+	PYTHON=$(BIN)/python bash bin/test_gpu.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info hybridengine/_C*.so

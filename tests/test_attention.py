@@ -33,7 +33,7 @@ to it (2^-8 for bf16, 2^-11 for fp16) at every step. fp32: both compute in fp32 
 (base-2 exponent, online rescaling); measured max ratio 0.83 under the interpreter."""
 P_ERROR = {torch.bfloat16: (2.0**-14 if INTERPRETER else 2.0**-16, 0.0), torch.float16: (2.0**-22, 2.0**-25)}
 """(relative, absolute) error of one p as the decode kernel's P.V dot uses it, by dtype
-(kernels/paged_attention.py). bf16: p_hi + p_lo, each cast to 8 significant bits, the residual
+(hybridengine/kernels/paged_attention.py). bf16: p_hi + p_lo, each cast to 8 significant bits, the residual
 p - p_hi exact: 2^-8 x 2^-8 with round-to-nearest (GPU), 2^-7 x 2^-7 with the interpreter's truncating cast.
 fp16: 2^-11 x 2^-11, and fp16 subnormals (p_lo, or p below 2^-14) leave half their spacing 2^-24 absolute."""
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import cpu_harness
 
-from bench.common import FIELDS, METRICS, Recorder, quantiles
-from bench.report import BEGIN, END, report
-from bench.segment_copy import gather_index, layer_table, row_slices, tile
+from hybridengine_bench.common import FIELDS, METRICS, Recorder, quantiles
+from hybridengine_bench.report import BEGIN, END, report
+from hybridengine_bench.segment_copy import gather_index, layer_table, row_slices, tile
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,11 +47,11 @@ def bench_env(**env_vars: str) -> dict:
 
 
 def run_suite(tmp_path: Path, suite: str, scale: float, timeout: int, **env_vars: str) -> list[dict]:
-    """`python -m bench run --suite S --cpu` in a subprocess (`env_vars` set there); its rows, each checked
+    """`python -m hybridengine_bench run --suite S --cpu` in a subprocess (`env_vars` set there); its rows, each checked
     against the schema."""
     out = tmp_path / "rows.jsonl"
     env = bench_env(**env_vars)
-    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", suite, "--scale", str(scale), "--cpu",
+    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "run", "--suite", suite, "--scale", str(scale), "--cpu",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -143,7 +143,7 @@ def test_long_tail_lengths_from_the_environment(tmp_path):
 
 @pytest.mark.parametrize("text", ["512", "512,4096,1", "a,4096", "0,16", "64,16"])
 def test_long_tail_lengths_reject_bad_values(text):
-    from bench.requests import _tail_lengths
+    from hybridengine_bench.requests import _tail_lengths
 
     with pytest.raises(ValueError, match="HE_BENCH_TAIL must be 'MEDIAN,MAX_TOKENS'"):
         _tail_lengths(text)
@@ -171,7 +171,7 @@ def test_offload_optimizer_suite_runs_the_modes_it_is_given(tmp_path):
     rows = run_suite(tmp_path, "offload_optimizer", 0.3, 180, HE_BENCH_OFFLOAD_MODES="optimizer")
     assert {r["case"]["offload"] for r in rows if r["case"].get("part") == "max_micro_batch"} == {"optimizer"}
     env = bench_env(HE_BENCH_OFFLOAD_MODES="none,optimiser")
-    proc = subprocess.run([sys.executable, "-m", "bench", "run", "--suite", "offload_optimizer", "--cpu", "--out",
+    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "run", "--suite", "offload_optimizer", "--cpu", "--out",
                            str(tmp_path / "bad.jsonl")], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=180)
     assert "HE_BENCH_OFFLOAD_MODES names offload modes" in proc.stdout + proc.stderr
@@ -181,7 +181,7 @@ def test_offload_ladder_stops_at_the_first_failure():
     """Nothing runs after a step that ran out of memory (it may leave memory behind in the process)."""
     import types
 
-    from bench import offload
+    from hybridengine_bench import offload
 
     ctx = types.SimpleNamespace(cuda=True)  # what _ladder reads of the bench's context
     tried = []
@@ -214,7 +214,7 @@ def test_soak_rows_on_cpu(tmp_path):
     out = tmp_path / "rows.jsonl"
     env = bench_env()
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    proc = subprocess.run([sys.executable, "-m", "bench", "soak", "--cpu", "--model", "tiny-qwen2", "--steps", "3",
+    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "soak", "--cpu", "--model", "tiny-qwen2", "--steps", "3",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -248,7 +248,7 @@ def test_soak_rows_on_cpu(tmp_path):
 
 def test_soak_summary_swing_and_drift():
     """Swing = half the range after the warm-up (the first 10%); drift = last fifth's median / the first fifth's."""
-    from bench.report.soak import summarize
+    from hybridengine_bench.report.soak import summarize
 
     def step(i: int, seconds: float, nvml: float | None) -> dict:
         return dict(value=seconds, case=dict(step=i, tokens=100, memory_GiB=dict(nvml_peak=nvml, max_reserved=None)))
@@ -460,8 +460,8 @@ def test_segment_tables_cover_exactly(numel):
 
 
 def test_profile_train_runs_on_cpu(tmp_path):
-    """bench.profile_train on a tiny model: both checkpointing settings, step times and the JSON."""
-    from bench.profile_train import main
+    """hybridengine_bench.profile_train on a tiny model: both checkpointing settings, step times and the JSON."""
+    from hybridengine_bench.profile_train import main
 
     result = main(["--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--device", "cpu", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "profile_train.json").read_text())
@@ -471,8 +471,8 @@ def test_profile_train_runs_on_cpu(tmp_path):
 
 
 def test_profile_switch_analyse():
-    """Interval arithmetic of bench.profile_switch (microseconds in, milliseconds out)."""
-    from bench.profile_switch import analyse
+    """Interval arithmetic of hybridengine_bench.profile_switch (microseconds in, milliseconds out)."""
+    from hybridengine_bench.profile_switch import analyse
 
     got = analyse((0.0, 100.0), maps=[(0.0, 10.0), (20.0, 30.0)], nccl=[(10.0, 40.0), (50.0, 90.0), (95.0, 120.0)])
     assert got["wall_ms"] == 0.1 and got["map_ms"] == 0.02 and got["nccl_kernels"] == 3
@@ -487,7 +487,7 @@ def _profile_switch_rank(rank, world, store, out, errors):
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank}"):
-        from bench.profile_switch import run
+        from hybridengine_bench.profile_switch import run
 
         res = run("tiny-qwen2", torch.device("cpu"), Path(out), None)
         assert [v["variant"] for v in res["variants"]] == ["mapped", "kept"]
@@ -498,7 +498,7 @@ def _profile_switch_rank(rank, world, store, out, errors):
 
 
 def test_profile_switch_runs_on_cpu(tmp_path):
-    """bench.profile_switch over two gloo processes on a tiny model: both variants, the JSON."""
+    """hybridengine_bench.profile_switch over two gloo processes on a tiny model: both variants, the JSON."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _dist import spawn
 
@@ -511,7 +511,7 @@ def test_read_floor_kernel_sums_every_element_once(block, iters):
     # the plain fp32 sum (an odd length leaves a partial last tile, masked).
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-    from bench.paged_attention import cold_read
+    from hybridengine_bench.paged_attention import cold_read
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.arange(10_001, device=device).remainder(97).to(torch.bfloat16)  # small integers: fp32 sums are exact
@@ -522,8 +522,8 @@ def test_read_floor_kernel_sums_every_element_once(block, iters):
 
 def test_probe_gemm_rows_and_their_report_table():
     # probe_gemm's JSON becomes bench rows (schema FIELDS; a floor row per shape) and report.md's decode-GEMM table.
-    from bench.probe_gemm import to_rows
-    from bench.report import decode_gemm_section
+    from hybridengine_bench.probe_gemm import to_rows
+    from hybridengine_bench.report import decode_gemm_section
 
     probe = {"device": "NVIDIA H200", "torch": "2.11.0", "hbm_copy_GB_per_s": 4000.0, "rows": [
         dict(variant="cublas", model="m1", gemm="qkv", m=128, n=64, k=32, weight_bytes=4000, us=2.0, p20_us=1.9,
@@ -552,7 +552,7 @@ def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys
     and the engine's methods and the collector's callbacks as they were."""
     import gc
 
-    from bench import probe_request_step
+    from hybridengine_bench import probe_request_step
     from hybridengine.rollout import generator, requests
 
     wrapped = (requests.RolloutSession.step, generator._Sampled.wait, requests.Request.output)
@@ -571,7 +571,7 @@ def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys
 def test_probe_exact_decode_harness_finds_the_engines_launch_exact(capsys, monkeypatch):
     """The probe under the Triton interpreter: the engine's own decode launch (the shared forward tile) gives
     every sequence the varlen kernel's bits, at both head shapes."""
-    from bench import probe_exact_decode
+    from hybridengine_bench import probe_exact_decode
     from hybridengine.ops import _launch
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -585,7 +585,7 @@ def test_probe_exact_decode_harness_finds_the_engines_launch_exact(capsys, monke
 @cpu_harness
 def test_probe_offload_transfers_harness_on_cpu(capsys):
     """The probe on CPU (a few MiB of state, synchronous copies): the allocation and both copies timed."""
-    from bench import probe_offload_transfers
+    from hybridengine_bench import probe_offload_transfers
 
     probe_offload_transfers.main([])
     out = capsys.readouterr().out
@@ -598,7 +598,7 @@ def test_probe_step_memory_marks_every_phase_and_restores_what_it_wrapped(capsys
     the marks of every phase in order, and the trainer's methods as they were."""
     import json
 
-    from bench import probe_step_memory
+    from hybridengine_bench import probe_step_memory
     from hybridengine.train.trainer import Trainer
 
     wrapped = [getattr(Trainer, m) for m in ("_forward_layers_with_graphs", "_micro_step", "_clip_and_step", "_reduce")]

@@ -594,9 +594,9 @@ def test_package_exports():
 
 
 def test_bench_rows_on_cpu():
-    """bench/ppo_loss.py at its CPU shapes: every provider gives rows or a not_run row with its reason."""
-    from bench.common import Ctx, Recorder
-    from bench.ppo_loss import ppo_loss as bench_ppo_loss
+    """hybridengine_bench/ppo_loss.py at its CPU shapes: every provider gives rows or a not_run row with its reason."""
+    from hybridengine_bench.common import Ctx, Recorder
+    from hybridengine_bench.ppo_loss import ppo_loss as bench_ppo_loss
 
     rec = Recorder(path=None, run_id="test", gpu="cpu", num_gpus=0, commit="test", versions={})
     bench_ppo_loss(Ctx(rec=rec, device=torch.device("cpu"), rank=0, world=1, models=[], scale=0.1))

@@ -1,4 +1,4 @@
-"""The fused sampler (hybridengine.ops.sample_fused, kernels/sampling.py) against its plain-torch
+"""The fused sampler (hybridengine.ops.sample_fused, hybridengine/kernels/sampling.py) against its plain-torch
 reference under the Triton interpreter (on CUDA: the kernel on the GPU), and the engine's use of it."""
 
 import math

@@ -19,7 +19,7 @@ from _dist import reporting, spawn
 from _models import reference_tp_slice
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "ppo_tiny_qwen2.json"
-"""Written only by scripts/make_golden.py (`golden_run`), never by a test run."""
+"""Written only by bin/make_golden.py (`golden_run`), never by a test run."""
 STEPS = 5
 CFG = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01, loss_agg="token-mean",
            micro_batch_tokens=24, max_grad_norm=1.0, lr=1e-3, weight_decay=0.01, temperature=0.9)
@@ -323,9 +323,9 @@ def check_first_step(loss: float, first32: float, first64: float) -> None:
 
 def test_golden_losses():
     """A tiny deterministic run against the checked-in per-step losses, whose first step is the
-    independent reference's (regenerate with scripts/make_golden.py, never from a test run)."""
+    independent reference's (regenerate with bin/make_golden.py, never from a test run)."""
     golden = json.loads(GOLDEN.read_text())
-    assert golden["config"] == CFG, "CFG changed since the golden file was written: run scripts/make_golden.py"
+    assert golden["config"] == CFG, "CFG changed since the golden file was written: run bin/make_golden.py"
     losses, first32, first64 = golden_run()
     check_first_step(golden["losses"][0], first32, first64)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(golden["losses"]), rtol=1e-5, atol=1e-6)

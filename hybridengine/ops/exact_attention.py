@@ -8,7 +8,7 @@ Ops: `exact_attention` (varlen causal self-attention, differentiable, determinis
 `exact_decode_attention` (the paged decode step, CUDA-graph capturable). Each computes a row with one fixed
 tiled algorithm, the same in both ops: keys in tiles at fixed positions from the sequence's start, visited in
 increasing order, online softmax in fp32, P rounded once to the input dtype before P.V, one rounding of the
-output (`kernels/exact_attention.py` says why a row's bits then depend on nothing else).
+output (`hybridengine/kernels/exact_attention.py` says why a row's bits then depend on nothing else).
 
 Layers per op: a naive reference (`*_ref`: masked softmax per sequence, for tolerance tests and the CPU
 backward), the torch path (`*_torch`: the tiled algorithm in torch, the exact mode off CUDA), the Triton
@@ -221,7 +221,7 @@ def _tiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
                 window: int, dtype: torch.dtype, block_n: int) -> torch.Tensor:
     """The tiled online softmax of the torch path for query rows q [P, M, R, BD] at positions pos [P, M, R] over
     keys k, v [P, T * block_n, BD] (key j at position j), all fp32 (BD a power of two, zero-padded). Returns the
-    normalised output [P, M, R, BD] in fp32, -0 mapped to +0 (see kernels/exact_attention.py). Rows are
+    normalised output [P, M, R, BD] in fp32, -0 mapped to +0 (see hybridengine/kernels/exact_attention.py). Rows are
     independent: the caller may pass any rows in any order and slice P freely."""
     num_p, num_m, num_r, block_d = q.shape
     scale_log2 = scale * math.log2(math.e)

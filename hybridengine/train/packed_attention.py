@@ -14,7 +14,7 @@ from hybridengine.ops.exact_attention import exact_attention
 @functools.cache
 def _varlen_api():
     """(torch's varlen_attn, the names of its parameters), or None where this torch lacks it: the flash
-    peer of bench.prefill_attention (training takes `exact_attention`, see PackedAttention)."""
+    peer of hybridengine_bench.prefill_attention (training takes `exact_attention`, see PackedAttention)."""
     import inspect
 
     try:

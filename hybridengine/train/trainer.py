@@ -38,7 +38,7 @@ from hybridengine.train.batch import PPOBatch, plan_micro_batches
 from hybridengine.train.config import PPOConfig, TrainConfig, ValueConfig
 from hybridengine.train.losses import LossFields, LossFnError
 from hybridengine.train.optimizer import FlatAdamW, mask_ranges
-from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - bench.prefill_attention imports it from here
+from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - hybridengine_bench.prefill_attention imports it from here
 from hybridengine.train.released_params import ReleasedParams
 
 # the batch and configs are re-exported here
