@@ -18,13 +18,51 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ALLOW_NO_EXTENSION = "HE_ALLOW_NO_EXTENSION"
 
 
+# A `whole_gpu` test needs the GPU to itself: beside other pytest-xdist workers on the same GPU it runs out of
+# memory or misses its timing bound. bin/test_gpu.sh runs them after the parallel part, in one process; a run
+# with several workers on a GPU skips them, saying so, rather than letting them fail at random.
+SERIAL_PHASE = "needs the GPU to itself: bin/test_gpu.sh runs it after the parallel part (or run pytest without -n)"
+
+
+def _xdist_workers() -> int:
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        if _xdist_workers() > 1:
+            for item in items:
+                if "whole_gpu" in item.keywords:
+                    item.add_marker(pytest.mark.skip(reason=SERIAL_PHASE))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Where each test's peak device memory goes (one JSON line per test) when HE_TEST_GPU_MEMORY_LOG names a file:
+# how a test earns the `whole_gpu` mark. Subprocesses a test starts are not counted.
+GPU_MEMORY_LOG = os.environ.get("HE_TEST_GPU_MEMORY_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if not (GPU_MEMORY_LOG and torch.cuda.is_available()):
+        yield
+        return
+    import json
+    import time
+
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    yield
+    row = {"test": item.nodeid, "seconds": round(time.perf_counter() - start, 3),
+           "max_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+           "max_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 3),
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+    with open(GPU_MEMORY_LOG, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def pytest_runtest_setup(item):
@@ -74,3 +112,16 @@ def device() -> torch.device:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_cache():
+    """On a GPU, every test hands the blocks its process's caching allocator keeps back to the driver: workers
+    share one GPU, and blocks one worker keeps cached after its test are memory the next test of another
+    worker cannot have (nor can the engine's KV sizing, which counts them as used)."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -593,6 +593,7 @@ def test_probe_offload_transfers_harness_on_cpu(capsys):
         assert what in out, out
 
 
+@cpu_harness  # on a GPU the probe trains Qwen2-7B on 16k tokens: a bench run, not a test
 def test_probe_step_memory_marks_every_phase_and_restores_what_it_wrapped(capsys):
     """The probe's harness on CPU (tiny model, both modes, two consecutive steps): one JSON line per step with
     the marks of every phase in order, and the trainer's methods as they were."""

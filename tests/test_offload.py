@@ -450,6 +450,7 @@ def test_windowed_copier_copies_bitwise_both_ways_and_checks_its_arguments():
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu  # 4 GiB each way, and a bound on time that other workers' copies would break
 def test_a_rollouts_readback_passes_the_windowed_copy_out():
     """A decode step's tokens reach the host by kernel stores into mapped pinned memory (`Readback`) while a
     4 GiB device-to-host transfer runs (offload "rollout"'s copy out): they land while the transfer is still
