@@ -53,7 +53,7 @@ const DriverApi& api() {
 }
 
 // Host seconds spent in each driver call (nanoseconds, summed over threads): what a switch's mapping
-// costs, call by call (hybridengine_bench.profile_switch reads them through VmmRange.timings()).
+// costs, call by call (hybridengine_bench.probes.profile_switch reads them through VmmRange.timings()).
 enum Step { kCreate, kMap, kAccess, kUnmap, kRelease, kSteps };
 std::atomic<int64_t> g_ns[kSteps];
 std::atomic<int64_t> g_calls[kSteps];

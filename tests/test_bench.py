@@ -460,8 +460,8 @@ def test_segment_tables_cover_exactly(numel):
 
 
 def test_profile_train_runs_on_cpu(tmp_path):
-    """hybridengine_bench.profile_train on a tiny model: both checkpointing settings, step times and the JSON."""
-    from hybridengine_bench.profile_train import main
+    """hybridengine_bench.probes.profile_train on a tiny model: both checkpointing settings, step times and the JSON."""
+    from hybridengine_bench.probes.profile_train import main
 
     result = main(["--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--device", "cpu", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "profile_train.json").read_text())
@@ -471,8 +471,8 @@ def test_profile_train_runs_on_cpu(tmp_path):
 
 
 def test_profile_switch_analyse():
-    """Interval arithmetic of hybridengine_bench.profile_switch (microseconds in, milliseconds out)."""
-    from hybridengine_bench.profile_switch import analyse
+    """Interval arithmetic of hybridengine_bench.probes.profile_switch (microseconds in, milliseconds out)."""
+    from hybridengine_bench.probes.profile_switch import analyse
 
     got = analyse((0.0, 100.0), maps=[(0.0, 10.0), (20.0, 30.0)], nccl=[(10.0, 40.0), (50.0, 90.0), (95.0, 120.0)])
     assert got["wall_ms"] == 0.1 and got["map_ms"] == 0.02 and got["nccl_kernels"] == 3
@@ -487,7 +487,7 @@ def _profile_switch_rank(rank, world, store, out, errors):
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank}"):
-        from hybridengine_bench.profile_switch import run
+        from hybridengine_bench.probes.profile_switch import run
 
         res = run("tiny-qwen2", torch.device("cpu"), Path(out), None)
         assert [v["variant"] for v in res["variants"]] == ["mapped", "kept"]
@@ -498,7 +498,7 @@ def _profile_switch_rank(rank, world, store, out, errors):
 
 
 def test_profile_switch_runs_on_cpu(tmp_path):
-    """hybridengine_bench.profile_switch over two gloo processes on a tiny model: both variants, the JSON."""
+    """hybridengine_bench.probes.profile_switch over two gloo processes on a tiny model: both variants, the JSON."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _dist import spawn
 
@@ -522,7 +522,7 @@ def test_read_floor_kernel_sums_every_element_once(block, iters):
 
 def test_probe_gemm_rows_and_their_report_table():
     # probe_gemm's JSON becomes bench rows (schema FIELDS; a floor row per shape) and report.md's decode-GEMM table.
-    from hybridengine_bench.probe_gemm import to_rows
+    from hybridengine_bench.probes.probe_gemm import to_rows
     from hybridengine_bench.report import decode_gemm_section
 
     probe = {"device": "NVIDIA H200", "torch": "2.11.0", "hbm_copy_GB_per_s": 4000.0, "rows": [
@@ -552,7 +552,7 @@ def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys
     and the engine's methods and the collector's callbacks as they were."""
     import gc
 
-    from hybridengine_bench import probe_request_step
+    from hybridengine_bench.probes import probe_request_step
     from hybridengine.rollout import generator, requests
 
     wrapped = (requests.RolloutSession.step, generator._Sampled.wait, requests.Request.output)
@@ -571,7 +571,7 @@ def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys
 def test_probe_exact_decode_harness_finds_the_engines_launch_exact(capsys, monkeypatch):
     """The probe under the Triton interpreter: the engine's own decode launch (the shared forward tile) gives
     every sequence the varlen kernel's bits, at both head shapes."""
-    from hybridengine_bench import probe_exact_decode
+    from hybridengine_bench.probes import probe_exact_decode
     from hybridengine.ops import _launch
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -585,7 +585,7 @@ def test_probe_exact_decode_harness_finds_the_engines_launch_exact(capsys, monke
 @cpu_harness
 def test_probe_offload_transfers_harness_on_cpu(capsys):
     """The probe on CPU (a few MiB of state, synchronous copies): the allocation and both copies timed."""
-    from hybridengine_bench import probe_offload_transfers
+    from hybridengine_bench.probes import probe_offload_transfers
 
     probe_offload_transfers.main([])
     out = capsys.readouterr().out
@@ -599,7 +599,7 @@ def test_probe_step_memory_marks_every_phase_and_restores_what_it_wrapped(capsys
     the marks of every phase in order, and the trainer's methods as they were."""
     import json
 
-    from hybridengine_bench import probe_step_memory
+    from hybridengine_bench.probes import probe_step_memory
     from hybridengine.train.trainer import Trainer
 
     wrapped = [getattr(Trainer, m) for m in ("_forward_layers_with_graphs", "_micro_step", "_clip_and_step", "_reduce")]

@@ -438,7 +438,7 @@ def test_decode_inputs_follow_forks_copy_on_write_preemption_and_finishes():
 def test_profile_decode_runs_on_cpu(tmp_path):
     import json
 
-    from hybridengine_bench import profile_decode
+    from hybridengine_bench.probes import profile_decode
 
     profile_decode.main(["--model", "tiny-qwen2", "--batch", "3", "--prompt", "5", "--new-tokens", "4",
                          "--device", "cpu", "--out", str(tmp_path)])
@@ -456,7 +456,7 @@ def test_profile_decode_times_kernel_configs_on_cpu(tmp_path):
     decode attention is the reference, so this checks the harness, not the configs)."""
     import json
 
-    from hybridengine_bench import profile_decode
+    from hybridengine_bench.probes import profile_decode
     from hybridengine.ops import paged_attention
 
     original = paged_attention._decode_config

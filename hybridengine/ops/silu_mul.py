@@ -15,7 +15,8 @@ from hybridengine.ops import _launch
 
 MAX_BLOCK = 1024
 """Columns per program of the forward kernel: a row of the intermediate size is split over several
-programs, which keeps every SM busy at decode batch sizes (`hybridengine_bench.probe_elementwise` times the choice)."""
+programs, which keeps every SM busy at decode batch sizes (`hybridengine_bench.probes.probe_elementwise`
+times the choice)."""
 MAX_BLOCK_BWD = 4096
 """Columns per program of the backward kernel."""
 

@@ -141,7 +141,7 @@ DECODE_GEMM_ORDER = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 def decode_gemm_section(rows: list[dict]) -> str:
-    """`python -m hybridengine_bench.probe_gemm` rows: each decode GEMM in cuBLAS against its weight-read floor, and the
+    """`python -m hybridengine_bench.probes.probe_gemm` rows: each decode GEMM in cuBLAS against its weight-read floor, and the
     retired split-K Triton GEMM (where the run timed one), all from the latest run."""
     sel = [r for r in rows if r["bench"] == "decode_gemm" and r["metric"] == "seconds"]
     if not sel:
@@ -171,7 +171,7 @@ def decode_gemm_section(rows: list[dict]) -> str:
     sums = [[model, str(m), dur(t), dur(f), ratio(f, t)] for (model, m), (t, f) in sorted(layer.items())]
     head = sel[0]
     return ("## Decode-step GEMMs (cuBLAS against the weight-read floor)\n\n"
-            f"Run {run} ({head['num_gpus']} x {head['gpu']}, commit {head['commit'][:12]}; `python -m hybridengine_bench.probe_gemm`): "
+            f"Run {run} ({head['num_gpus']} x {head['gpu']}, commit {head['commit'][:12]}; `python -m hybridengine_bench.probes.probe_gemm`): "
             "[M, K] @ [N, K]^T in bf16 at decode rows M, each GEMM timed in a CUDA graph over weight copies that do "
             "not fit in L2 (time per GEMM). floor: the weight bytes at the run's hbm_copy bandwidth; \"of floor\" = "
             "floor / cuBLAS time. \"/tg2\": one rank's shard at tg = 2. Triton: the split-K `decode_linear` GEMM "

@@ -1,6 +1,6 @@
 """Probe: the decode all-reduce of TP generation, NCCL against torch's symmetric-memory one-shot kernels.
 
-    torchrun --standalone --nproc-per-node 2 -m hybridengine_bench.probe_allreduce
+    torchrun --standalone --nproc-per-node 2 -m hybridengine_bench.probes.probe_allreduce
 
 Each case captures 50 back-to-back all-reduces of a [B, H] bf16 tensor in one CUDA graph (as the
 decode step runs them) and times replays; prints us per all-reduce (median, p20-p80) and checks each
@@ -16,7 +16,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from .common import graph_seconds
+from ..common import graph_seconds
 
 
 def timed_graph(fn, reps: int = 50, replays: int = 15) -> list[float]:

@@ -1,6 +1,6 @@
 """Where the fused sampler's partial kernel spends its time.
 
-    python -m hybridengine_bench.probe_sampler --out DIR
+    python -m hybridengine_bench.probes.probe_sampler --out DIR
 
 `kernels.sampling.sample_partial_kernel` at the decode step's shapes (bf16 logits [B, 151936], temperature 1,
 unseeded rows, the launcher's split plan) against the same kernel on greedy rows (keys < 0: the two passes,
@@ -27,7 +27,7 @@ def main(argv=None) -> dict:
     from hybridengine.kernels.sampling import sample_partial_kernel
     from hybridengine.ops.sample_fused import fused_chunks, fused_splits
 
-    from .common import graph_seconds, quantiles
+    from ..common import graph_seconds, quantiles
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)

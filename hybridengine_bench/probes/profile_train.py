@@ -1,6 +1,6 @@
 """Where a training step of `HybridEngine.ppo_step` goes: GPU time by category, GPU busy vs wall, peak memory.
 
-    python -m hybridengine_bench.profile_train --model qwen2.5-1.5b --seqs 4 --seq-len 1024 --out DIR
+    python -m hybridengine_bench.probes.profile_train --model qwen2.5-1.5b --seqs 4 --seq-len 1024 --out DIR
 
 Random weights (no downloads), one rank, the train_step bench's batch (random tokens, every target
 trained on), with activation checkpointing on and off. Per setting: two warm-up steps, the median

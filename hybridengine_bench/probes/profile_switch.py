@@ -1,6 +1,6 @@
 """Where the train -> gen switch goes: host page mapping against the NCCL all-gathers on the GPU.
 
-    torchrun --nproc-per-node 2 -m hybridengine_bench.profile_switch --model qwen2-7b --out DIR [--batch-mib N]
+    torchrun --nproc-per-node 2 -m hybridengine_bench.probes.profile_switch --model qwen2-7b --out DIR [--batch-mib N]
 
 One `switch_to_generation()` per variant under torch.profiler, after two warm-up round trips:
 "mapped" (the default: each batch's pages are mapped on the host, then its all-gathers start) and
@@ -82,7 +82,7 @@ def profile_one(buf, variant: str, cuda: bool, trace: Path | None) -> dict:
 def run(model: str, device: torch.device, out: Path, batch_bytes: int | None) -> dict:
     from hybridengine.sharding.switch import ShardedBuffer
 
-    from .switch import _specs
+    from ..switch import _specs
 
     cuda = device.type == "cuda"
     specs, _ = _specs(model)

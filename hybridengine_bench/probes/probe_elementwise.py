@@ -1,6 +1,6 @@
 """Launch shapes of the rollout's elementwise kernels at decode-step sizes (is the default launch the fast one?).
 
-    python -m hybridengine_bench.probe_elementwise --out DIR
+    python -m hybridengine_bench.probes.probe_elementwise --out DIR
 
 `silu_mul_kernel` over gate/up views of one [B, 2 I] GEMM output (as `DecoderLayer.forward_rollout` calls it)
 and `rms_norm_kernel` with the residual add, at B in {64, 128, 256} for Qwen2.5-1.5B (H 1536, I 8960) and
@@ -25,7 +25,7 @@ def main(argv=None) -> dict:
     from hybridengine.kernels.elementwise import rms_norm_kernel, silu_mul_kernel
     from hybridengine.ops import rms_norm, silu_mul
 
-    from .common import graph_seconds, quantiles
+    from ..common import graph_seconds, quantiles
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)

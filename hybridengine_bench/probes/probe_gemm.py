@@ -1,6 +1,6 @@
 """Probe: the decode step's GEMMs (M = decode batch rows) with cuBLAS's default choice and with TunableOp.
 
-    python -m hybridengine_bench.probe_gemm [--out DIR]
+    python -m hybridengine_bench.probes.probe_gemm [--out DIR]
 
 Each shape is one projection of Qwen2.5-1.5B or Qwen2-7B at tg = 1 ([M, K] @ [N, K]^T, bf16, the
 qkv projection with its bias as the model runs it). Weights as in a decode step: each of L distinct
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .common import commit, graph_seconds, versions
+from ..common import commit, graph_seconds, versions
 
 SHAPES = {  # name: (N, K, bias)
     "qwen2.5-1.5b": {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "gate_up": (17920, 1536, False),

@@ -1,6 +1,6 @@
 """Probe: what Triton made of the paged decode kernel on this GPU, per launch config.
 
-    python -m hybridengine_bench.probe_decode_kernel      (CUDA only)
+    python -m hybridengine_bench.probes.probe_decode_kernel      (CUDA only)
 
 Launches `paged_decode_attention_triton` once per config at the 1.5B decode shape (B = 128, 12 q heads,
 2 kv heads, 256 tokens, 16-token pages) and prints, for each compiled variant: cp.async count (Triton's

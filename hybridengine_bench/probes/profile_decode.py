@@ -1,6 +1,6 @@
 """Where a decode step of `HybridEngine.generate` goes: host ranges, GPU kernels by category, launch gaps.
 
-    python -m hybridengine_bench.profile_decode --model qwen2.5-1.5b --batch 64 --new-tokens 128 --out DIR
+    python -m hybridengine_bench.probes.profile_decode --model qwen2.5-1.5b --batch 64 --new-tokens 128 --out DIR
 
 Random weights (no downloads), prompts of 128 random tokens, temperature 1 (the `generate` bench's
 rollout case). One warm generate, one timed without the profiler (the honest step time), then one
