@@ -187,7 +187,7 @@ class HybridEngine:
         with self._guard.phase("save", lambda: checkpoint.checked_path(path, "HybridEngine.save")) as phase:
             phase.consistent(checkpoint.save, path, self.sharded, optimizer, engine_meta=dict(
                 role=self.role, model_config=dataclasses.asdict(self.model_config), hf_config=self.hf_config,
-                engine_config=engine_config), sampler_rng=self._sampler.rng)
+                engine_config=engine_config, policy_version=self.policy_version), sampler_rng=self._sampler.rng)
 
     @classmethod
     def load(cls, path, config: EngineConfig | None = None) -> "HybridEngine":
@@ -207,6 +207,8 @@ class HybridEngine:
         with engine._guard.phase("load"):
             checkpoint.restore_(meta, engine.sharded, optimizer=lambda: engine._trainer().optimizer,
                                 sampler_rng=engine._sampler.rng)
+            if meta.policy_version > meta.step:  # updates of optimizers dropped by reset_optimizer before the save
+                engine._trainer().num_retired_steps = meta.policy_version - meta.step
         return engine
 
     def export_hf(self, path) -> None:
@@ -467,10 +469,11 @@ class HybridEngine:
 
     @property
     def policy_version(self) -> int:
-        """Optimizer updates the weights have had (a skipped step is none; restored by `load`): each
-        generated token records the version that sampled it (`CompletionOutput.policy_versions`)."""
+        """Optimizer updates the weights have had (a skipped step is none; `reset_optimizer` restarts the
+        optimizer's step count, not this; restored by `load`): each generated token records the version
+        that sampled it (`CompletionOutput.policy_versions`)."""
         trainer = self._training
-        return trainer.optimizer.num_steps if trainer is not None and trainer.has_optimizer else 0
+        return trainer.policy_version if trainer is not None else 0
 
     @contextlib.contextmanager
     def rollout(self, keep_unfinished: bool = False):

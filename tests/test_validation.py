@@ -1,6 +1,11 @@
 """No silent corruption: bad inputs and configs fail at the public boundary, in words, before any work;
-a NaN/inf gradient never reaches the weights or the optimizer state (issue 22)."""
+a NaN/inf gradient never reaches the weights or the optimizer state (issue 22); bad input the engine used to
+accept: non-finite weights, stop ids outside the vocabulary, sequences past the model's positions, 2-D token
+ids, a policy_version that repeated after reset_optimizer (issue 40)."""
 
+import asyncio
+import contextlib
+import re
 import warnings
 
 import pytest
@@ -349,3 +354,162 @@ def test_log_probs_rejects_a_bad_temperature_before_any_work():
         with pytest.raises(ValueError, match=r"log_probs: temperature must be (in \(0, inf\)|a finite number)"):
             engine.log_probs(batch, temperature=temperature)
     assert engine.log_probs(batch, temperature=0.5).shape == (2, 7)
+
+
+# -- bad input the engine used to accept (issue 40) ----------------------------------------------------
+
+def positions_engine(max_positions=16, role="actor"):
+    """A tiny engine whose model has only `max_positions` positions."""
+    torch.manual_seed(0)
+    cfg = he.model_config("tiny-qwen2")
+    cfg.max_position_embeddings = max_positions
+    return he.HybridEngine(cfg, he.EngineConfig(dtype=torch.float32, device="cpu", block_size=4,
+                                                max_model_len=max_positions, max_num_seqs=4,
+                                                max_num_batched_tokens=64), role=role)
+
+
+def assert_generates(engine):
+    with engine.rollout():
+        out = engine.generate([[1, 2, 3]], he.SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+LATE = "model.layers.1.mlp.up_proj.weight"  # written after the embedding and layer 0
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+@pytest.mark.parametrize("in_rollout", [False, True])
+def test_load_weights_rejects_nonfinite_tensors_and_changes_nothing(value, in_rollout):
+    """The finding: a NaN in a loaded tensor went into the weights (and the optimizer's masters)."""
+    engine = make_engine()
+    batch = he.PPOBatch(**batch_kwargs())
+    engine.ppo_step(batch, he.PPOConfig(lr=1e-3))  # the optimizer's masters exist and must not change either
+    weights = {name: t + 0.01 for name, t in engine.state_dict()}  # every tensor differs from the engine's
+    weights[LATE][3, 5] = value
+    before = snapshot(engine)
+    with engine.rollout() if in_rollout else contextlib.nullcontext():
+        with pytest.raises(ValueError, match=rf"load_weights: tensor '{LATE}' holds {value} at index \(3, 5\); "
+                                             "every weight must be finite"):
+            engine.load_weights(weights)
+    assert_same(before, snapshot(engine))
+    assert_generates(engine)
+    assert engine.ppo_step(batch, he.PPOConfig(lr=1e-3))["skipped"] == 0
+    weights[LATE][3, 5] = 0.0
+    assert LATE in engine.load_weights(weights)
+
+
+def test_load_weights_rejects_values_that_overflow_the_engines_dtype():
+    engine = make_engine(dtype=torch.float16)
+    weights = {name: t.float() for name, t in engine.state_dict()}
+    weights["model.norm.weight"][3] = 1e6  # finite in fp32, inf in fp16
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match=r"load_weights: tensor 'model.norm.weight' holds 1000000.0 at index \(3,\), "
+                                         r"which is inf in the engine's torch.float16; every weight must be finite"):
+        engine.load_weights(weights)
+    assert_same(before, snapshot(engine))
+
+
+@pytest.mark.parametrize("stop,match", [((5, 128), r"\(5, 128\)"), ((5, 1000), r"\(5, 1000\)"), ((-1,), r"\(-1,\)")])
+@pytest.mark.parametrize("call", ["generate", "add_request", "generate_async"])
+def test_stop_token_ids_outside_the_vocabulary_are_rejected_before_any_request_is_queued(call, stop, match):
+    """The finding: a stop id the model cannot emit never stopped a sample, silently. SamplingParams rejects
+    negative ids itself; it does not know the vocabulary, so the engine checks (again, for a changed one)."""
+    engine = make_engine()
+    params = he.SamplingParams(max_tokens=3)
+    params.stop_token_ids = stop  # the dataclass is mutable: the engine checks it again
+    name = "sampling_params[0]" if call == "generate" else "sampling_params"
+    with engine.rollout():
+        with pytest.raises(ValueError, match=rf"{re.escape(name)}\.stop_token_ids must be token ids in the "
+                                             rf"vocabulary \[0, 128\), got {match}"):
+            if call == "generate":
+                engine.generate([[1, 2, 3]], params)
+            elif call == "add_request":
+                engine.add_request("r", [1, 2, 3], params)
+            else:
+                asyncio.run(engine.generate_async([1, 2, 3], params))
+        assert not engine.has_unfinished_requests()
+        engine.add_request("r", [1, 2, 3], he.SamplingParams(max_tokens=3, stop_token_ids=(127,)))  # "r" is free
+        while engine.has_unfinished_requests():
+            engine.step()
+    with pytest.raises(ValueError, match=r"SamplingParams\.stop_token_ids must be token ids \(ints >= 0\), got "
+                                         r"\(5, -3\)"):
+        he.SamplingParams(stop_token_ids=(5, -3))
+
+
+@pytest.mark.parametrize("call", ["log_probs", "ppo_step", "train_step", "values", "value_step"])
+def test_sequences_longer_than_the_models_positions_are_rejected(call):
+    """The finding: training sequences past max_position_embeddings ran, at rotary positions the model has not
+    got (max_model_len bounds only the rollout's prompt + completion)."""
+    critic = call in ("values", "value_step")
+    engine = positions_engine(16, role="critic" if critic else "actor")
+    run = {"log_probs": lambda b: engine.log_probs(b), "values": lambda b: engine.values(b),
+           "ppo_step": lambda b: engine.ppo_step(b, he.PPOConfig(lr=1e-3)),
+           "train_step": lambda b: engine.train_step(b, he.losses.sft_nll, he.TrainConfig(lr=1e-3)),
+           "value_step": lambda b: engine.value_step(b, he.ValueConfig(lr=1e-3))}[call]
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match=rf"{call}: batch\.input_ids\[1\] has 17 tokens, more than the model's "
+                                         r"max_position_embeddings=16 \(its rotary positions end there\)"):
+        run(he.PPOBatch(**batch_kwargs(lengths=(8, 17, 30))))
+    assert_same(before, snapshot(engine))
+    run(he.PPOBatch(**batch_kwargs(lengths=(8, 16))))  # at the limit: runs
+
+
+@pytest.mark.parametrize("ids,match", [
+    (torch.randint(0, 128, (2, 8)), r"PPOBatch\.input_ids must be a list of at least one sequence \(each a 1-D tensor "
+                                    r"or list of token ids\), got torch.int64 tensor of shape \(2, 8\) on cpu"),
+    ([], r"PPOBatch\.input_ids must be a list of at least one sequence .*, got list"),
+    ([torch.randint(0, 128, (2, 4))], r"PPOBatch\.input_ids\[0\] must be one sequence \(a 1-D tensor or list of token "
+                                      r"ids\), got shape \(2, 4\)"),
+    ([[1, 2, 3], [[1, 2], [3, 4]]], r"PPOBatch\.input_ids\[1\] must be one sequence .*, got shape \(2, 2\)"),
+])
+def test_batch_input_ids_must_be_a_list_of_1d_sequences(ids, match):
+    """The finding: a 2-D tensor inside the list was flattened into one sequence."""
+    with pytest.raises(ValueError, match=match):
+        he.PPOBatch(input_ids=ids)
+    batch = he.PPOBatch(**batch_kwargs())
+    batch.input_ids = torch.stack([batch.input_ids[0], batch.input_ids[0]])
+    with pytest.raises(ValueError, match=r"log_probs: batch\.input_ids must be a list of at least one sequence"):
+        make_engine().log_probs(batch)
+
+
+@pytest.mark.parametrize("call", ["generate", "add_request", "generate_async"])
+def test_a_2d_tensor_prompt_names_what_is_expected(call):
+    engine = make_engine()
+    name = "prompts[0]" if call == "generate" else "prompt_token_ids"
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with engine.rollout():
+        with pytest.raises(ValueError, match=rf"{re.escape(name)} must be one prompt: a list or 1-D tensor of token "
+                                             r"ids, got torch.int64 tensor of shape \(2, 3\)"):
+            if call == "generate":
+                engine.generate([prompt], he.SamplingParams(max_tokens=2))
+            elif call == "add_request":
+                engine.add_request("r", prompt, he.SamplingParams(max_tokens=2))
+            else:
+                asyncio.run(engine.generate_async(prompt, he.SamplingParams(max_tokens=2)))
+        assert not engine.has_unfinished_requests()
+
+
+def test_policy_version_keeps_increasing_across_reset_optimizer(tmp_path):
+    """The finding: reset_optimizer() sent policy_version back to 0, so tokens of different weights shared a
+    version. The optimizer's own step count (its LR schedule, bias correction) restarts; the version does not."""
+    engine = make_engine()
+    batch = he.PPOBatch(**batch_kwargs())
+    seen = [engine.policy_version]
+    for _ in range(2):
+        engine.ppo_step(batch, he.PPOConfig(lr=1e-3))
+        seen.append(engine.policy_version)
+    assert seen == [0, 1, 2]
+    engine.trainer.reset_optimizer()
+    assert engine.policy_version == 2  # the weights have not changed
+    engine.save(tmp_path / "no-optimizer")
+    assert engine.ppo_step(batch, he.PPOConfig(lr=1e-3))["step"] == 1  # a fresh AdamW
+    assert engine.policy_version == 3 > max(seen)
+    with engine.rollout():
+        out = engine.generate([[1, 2, 3]], he.SamplingParams(max_tokens=2))
+    assert out[0].outputs[0].policy_versions == [3, 3]
+    engine.save(tmp_path / "optimizer")
+    for name, version in (("no-optimizer", 2), ("optimizer", 3)):
+        twin = he.HybridEngine.load(tmp_path / name)
+        assert twin.policy_version == version
+        twin.ppo_step(batch, he.PPOConfig(lr=1e-3))
+        assert twin.policy_version == version + 1

@@ -56,13 +56,17 @@ def batch_params(prompts, sampling_params) -> list:
 def check_request(prompt, params, *, name: str, params_name: str, vocab_size: int, config: EngineConfig,
                   num_blocks: int) -> None:
     """One request: `prompt` is a non-empty list of in-vocabulary integer token ids whose samples fit the
-    engine (a batch, max_model_len, the cache). Raises ValueError naming the argument (`name`,
-    `params_name`)."""
+    engine (a batch, max_model_len, the cache), and its stop ids are in the vocabulary (SamplingParams does
+    not know it; a stop id the model cannot emit would never stop a sample). Raises ValueError naming the
+    argument (`name`, `params_name`)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"{params_name} must be a SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str):
         raise ValueError(f"{name} is text ({prompt[:20]!r}); prompts must be token ids (the engine has no "
                          "tokenizer; encode the prompts first)")
+    if isinstance(prompt, torch.Tensor):  # a 1-D one was made a list by the caller
+        raise ValueError(f"{name} must be one prompt: a list or 1-D tensor of token ids, got "
+                         f"{checks.describe(prompt)}")
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"{name} must be a list of token ids, got {checks.describe(prompt)}")
     if len(prompt) == 0:
@@ -73,6 +77,10 @@ def check_request(prompt, params, *, name: str, params_name: str, vocab_size: in
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         bad = next(t for t in prompt if not 0 <= t < vocab_size)
         raise ValueError(f"{name} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
+    stop = params.stop_token_ids  # checked again: the dataclass may have been changed since its construction
+    if not isinstance(stop, (tuple, list)) or not all(checks.is_int(t) and 0 <= t < vocab_size for t in stop):
+        raise ValueError(f"{params_name}.stop_token_ids must be token ids in the vocabulary [0, {vocab_size}), "
+                         f"got {stop!r}")
     if params.n > config.max_num_seqs:
         raise ValueError(f"{params_name}: n={params.n} samples exceed EngineConfig.max_num_seqs="
                          f"{config.max_num_seqs} (a prompt's samples decode in one batch)")

@@ -65,6 +65,9 @@ class CheckpointMeta:
     """'actor' or 'critic'."""
     step: int
     """Optimizer steps taken when it was saved."""
+    policy_version: int
+    """`HybridEngine.policy_version` when it was saved: `step` plus the steps of optimizers dropped by
+    `reset_optimizer` (`step` in a checkpoint that does not record it)."""
     model_config: ModelConfig
     """The backbone's config (a critic's value head is added again by the engine)."""
     engine_config: dict
@@ -389,7 +392,8 @@ def read_meta(path: str | os.PathLike) -> CheckpointMeta:
         raise ValueError(f"HybridEngine.load: {meta_file} is damaged: {type(e).__name__}: {e}") from None
     if model_config.value_head:
         model_config = dataclasses.replace(model_config, value_head=False)  # the engine adds the head again
-    return CheckpointMeta(path=path, role=role, step=step, model_config=model_config, engine_config=engine_config,
+    return CheckpointMeta(path=path, role=role, step=step, policy_version=meta.get("policy_version", step),
+                          model_config=model_config, engine_config=engine_config,
                           hf_config=meta.get("hf_config"), layout=layout, save_id=meta.get("save_id"), files=files)
 
 

@@ -4,7 +4,8 @@
   to natural layout, as separate tensors. `HybridEngine.state_dict` yields them unit by unit,
   so at most one unit is gathered at a time; `checkpoint.full_state_dict` collects them all.
 - `check_weights(items, ...)`: a whole set of named tensors checked against the layout before anything
-  is written (names, shapes, floating dtypes, duplicates, a tied LM head equal to its embedding):
+  is written (names, shapes, floating dtypes, finite values in the buffer's dtype, duplicates, a tied
+  LM head equal to its embedding):
   the list of `(parameter name, tensor)` writes; `check_same_writes`: every rank writes the same names.
 - `write_weights_(sharded, writes, ...)`: the writes into this rank's part of the buffer, with no
   collective (every rank holds the same full tensors): the training shard of every unit they touch,
@@ -57,7 +58,8 @@ def check_weights(weights, layout, *, tied: bool, model_type: str, dtype: torch.
     """`weights` (a mapping or an iterable of (name, tensor) pairs, which this materialises) checked as a
     whole: the (parameter name, tensor) writes, in the layout's order. A ValueError names the first bad
     item: not a (str, tensor) pair, a name given twice, a name that is not a parameter (`strict`; else it
-    is skipped), a shape other than the parameter's, a dtype that is not floating; for tied embeddings
+    is skipped), a shape other than the parameter's, a dtype that is not floating, a NaN or inf, or a value
+    that becomes inf in `dtype` (a conversion and one host sync per tensor); for tied embeddings
     (`tied`) `lm_head.weight` writes the embedding, and must equal `model.embed_tokens.weight` in `dtype`
     (the buffer's) when both are given."""
     if isinstance(weights, Mapping):
@@ -80,6 +82,7 @@ def check_weights(weights, layout, *, tied: bool, model_type: str, dtype: torch.
             continue
         if tensor.is_meta:
             raise ValueError(f"{op}: tensor {name!r} is on the meta device (it has no values)")
+        _check_finite(op, name, tensor, dtype)
         given[name] = tensor
     if tied and TIED_HEAD in given:
         head = given.pop(TIED_HEAD)
@@ -88,6 +91,19 @@ def check_weights(weights, layout, *, tied: bool, model_type: str, dtype: torch.
         else:
             given[EMBED] = head  # the tied head is the embedding (as in transformers)
     return [(s.name, given[s.name]) for s in layout.specs if s.name in given]
+
+
+def _check_finite(op: str, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Every value of `tensor` is finite, also once rounded to `dtype` (what the buffer will hold: an fp32
+    1e6 is inf in fp16). A NaN weight spreads to every logit of the next forward."""
+    stored = tensor.to(dtype)
+    if bool(torch.isfinite(stored).all()):
+        return
+    bad = ~torch.isfinite(tensor)
+    where = tuple(int(i) for i in (bad if bad.any() else ~torch.isfinite(stored)).nonzero()[0])
+    value = tensor[where].item()
+    overflow = "" if bad.any() else f", which is inf in the engine's {dtype}"
+    raise ValueError(f"{op}: tensor {name!r} holds {value} at index {where}{overflow}; every weight must be finite")
 
 
 @torch.no_grad()

@@ -51,13 +51,15 @@ class PPOBatch:
 
     def __post_init__(self):
         op = "PPOBatch"
-        if not isinstance(self.input_ids, (list, tuple)) or not self.input_ids:
-            raise ValueError(f"{op}.input_ids must hold at least one sequence, got {checks.describe(self.input_ids)}")
+        _check_sequences(f"{op}.", self.input_ids)
         ids = []
         for b, t in enumerate(self.input_ids):
             t = _as_tensor(op, f"input_ids[{b}]", t)
             if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
                 raise ValueError(f"{op}.input_ids[{b}] must hold integer token ids, got {t.dtype}")
+            if t.dim() > 1:  # flattening would join its rows into one sequence
+                raise ValueError(f"{op}.input_ids[{b}] must be one sequence (a 1-D tensor or list of token ids), "
+                                 f"got shape {tuple(t.shape)}")
             t = t.to(torch.long).reshape(-1)
             if t.numel() < 2:
                 raise ValueError(f"{op}.input_ids[{b}] has {t.numel()} tokens; at least 2 are needed")
@@ -116,8 +118,7 @@ class PPOBatch:
         searched for only on failure. The trainer calls it before a step's first collective."""
         where = "PPOBatch." if op == "PPOBatch" else f"{op}: batch."
         ids = self.input_ids
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError(f"{where}input_ids must hold at least one sequence, got {checks.describe(ids)}")
+        _check_sequences(where, ids)
         for b, t in enumerate(ids):
             if (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex()
                     or t.dtype == torch.bool):
@@ -243,6 +244,14 @@ def _first(flat: torch.Tensor, bad: torch.Tensor, lengths: list[int], shift: int
             return b, i, value
         i -= n - shift
     raise AssertionError("index past the batch")
+
+
+def _check_sequences(where: str, ids) -> None:
+    """input_ids is a non-empty list of sequences; a 2-D tensor is not (its rows share one length: padding would
+    be trained on as tokens)."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"{where}input_ids must be a list of at least one sequence (each a 1-D tensor or list of "
+                         f"token ids), got {checks.describe(ids)}")
 
 
 def _as_tensor(op: str, name: str, x) -> torch.Tensor:

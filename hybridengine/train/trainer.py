@@ -80,6 +80,7 @@ class Trainer:
             optimizer_config.validate()
         self._opt_config = optimizer_config or PPOConfig()
         self.num_skipped_steps = 0  # optimizer steps skipped for a NaN/inf gradient norm (nonfinite_grad)
+        self.num_retired_steps = 0  # updates made by optimizers that reset_optimizer dropped (`policy_version`)
         # AdamW state (12 B/param with fp32 master weights) appears at the first optimizer step: an engine
         # that only scores (a reference model's log_probs) never holds it. Gradient shards (4 B/param) live
         # from a unit's first reduce-scatter of a step to the end of its optimizer step (unless keep_grads):
@@ -117,10 +118,18 @@ class Trainer:
 
     def reset_optimizer(self, *, split_master: bool | None = None) -> None:
         """Drop the AdamW state: the next step starts a fresh one over the current weights, with
-        `split_master` (bf16 weights + int16 low halves, or fp32 masters) when given."""
+        `split_master` (bf16 weights + int16 low halves, or fp32 masters) when given. Its step count (the
+        LR schedule's, the bias correction's) starts again at 0; `policy_version` goes on."""
         if split_master is not None:
             self.split_master = split_master
+        if self._optimizer is not None:
+            self.num_retired_steps += self._optimizer.num_steps
         self._optimizer = None
+
+    @property
+    def policy_version(self) -> int:
+        """Optimizer updates the weights have had, across `reset_optimizer`: it never repeats."""
+        return self.num_retired_steps + (self._optimizer.num_steps if self._optimizer is not None else 0)
 
     @property
     def has_optimizer(self) -> bool:
@@ -259,7 +268,8 @@ class Trainer:
 
     def _check_batch(self, op: str, batch, fields: tuple[str, ...] = ()) -> None:
         """batch is a valid PPOBatch (`PPOBatch.validate`: token ids in the vocabulary, every float field
-        finite) which has `fields`; checked before the call's first collective."""
+        finite) which has `fields` and no sequence longer than the model's positions; checked before the
+        call's first collective."""
         if not isinstance(batch, PPOBatch):
             raise ValueError(f"{op}: batch must be a PPOBatch, got {type(batch).__name__}")
         missing = [name for name in fields if getattr(batch, name) is None]
@@ -267,6 +277,13 @@ class Trainer:
             names = [f"batch.{name}" for name in fields]
             raise ValueError(f"{op} needs {', '.join(names[:-1])} and {names[-1]} (missing: {', '.join(missing)})")
         batch.validate(self.config.vocab_size, op=op)
+        # RoPE is computed for any position, but the model has none past max_position_embeddings: its
+        # outputs there are not the model's. (EngineConfig.max_model_len bounds the rollout, at most this.)
+        limit = self.config.max_position_embeddings
+        for b, n in enumerate(batch.lengths):
+            if n > limit:
+                raise ValueError(f"{op}: batch.input_ids[{b}] has {n} tokens, more than the model's "
+                                 f"max_position_embeddings={limit} (its rotary positions end there)")
 
     # -- public ---------------------------------------------------------------------------------------
 
