@@ -6,7 +6,8 @@ alone (full [T, V] logits, log-softmax), and each loss is written again from its
 loops over sequences and pairs, over a rank's whole batch at once (no micro-batches): the engine's split
 into micro-batches and its weighting (`TrainConfig.loss_scale`) must give the same loss. The step's loss
 is the mean of the ranks' losses ("tokens" / "sequences") or the mean over every rank's tokens
-("global-tokens"); its gradient is compared with the engine's gradient shards (keep_grads), gathered.
+("global-tokens") or sequences ("global-sequences"); its gradient is compared with the engine's gradient
+shards (keep_grads), gathered.
 
 Tolerance, as in tests/test_ppo_loss.py: the truth is the reference in float64; the engine (float32) may be
 off it by at most K x what the same reference in float32 is off it, plus a floor. The float32 reference
@@ -20,6 +21,7 @@ the other losses' by at most ~2 x the float32 reference's error.
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -38,6 +40,7 @@ torch.set_num_threads(1)
 K = 2.0
 """Engine error <= K x the float32 reference's error + the floor (module docstring)."""
 U32 = 2.0**-23
+U64 = 2.0**-53
 TEMPERATURE = 0.9
 MICRO_BATCH_TOKENS = 24
 
@@ -48,13 +51,16 @@ LOSSES = {
     "cispo": (dict(clip_high=0.2), dict(loss_scale="tokens")),
     "sft_nll": (dict(), dict(loss_scale="tokens")),
     "sft_nll_global": (dict(), dict(loss_scale="global-tokens")),
+    # each sequence's mean NLL, averaged over every rank's sequences: sequences of 3 to 11 response tokens,
+    # so a weighting by tokens (of micro-batches, of ranks) gives another loss and gradient
+    "sft_nll_global_sequences": (dict(loss_agg="seq-mean-token-mean"), dict(loss_scale="global-sequences")),
     "dpo": (dict(beta=0.5, label_smoothing=0.1), dict(loss_scale="sequences")),
 }
 
 
 def loss_fn(name):
     options = LOSSES[name][0]
-    return functools.partial(getattr(L, name.removesuffix("_global")), **options)
+    return functools.partial(getattr(L, name.removesuffix("_sequences").removesuffix("_global")), **options)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -114,7 +120,8 @@ def _seq_entropy(model, seq, dtype):
 
 
 def rank_loss(name, model, b, dtype):
-    """The loss of one rank's whole batch from the definitions (no micro-batches)."""
+    """(the loss of one rank's whole batch from the definitions (no micro-batches), its response tokens; its
+    sequences for a per-sequence mean)."""
     options = LOSSES[name][0]
     seqs = b["input_ids"]
     masks = [m.to(dtype) for m in b["response_mask"]]
@@ -122,6 +129,9 @@ def rank_loss(name, model, b, dtype):
     olds = [o.to(dtype) for o in b["old_logprobs"]]
     advs = [a.to(dtype) for a in b["advantages"]]
     tokens = sum(m.sum() for m in masks)
+    if name == "sft_nll_global_sequences":
+        per_seq = [-(m * lp).sum() / m.sum() for m, lp in zip(masks, logps)]
+        return sum(per_seq) / len(per_seq), len(per_seq)
     if name.startswith("sft_nll"):
         return -sum((m * lp).sum() for m, lp in zip(masks, logps)) / tokens, tokens
     if name == "cispo":
@@ -166,10 +176,10 @@ def rank_loss(name, model, b, dtype):
 
 def reference(hf, name, batches, dtype):
     """(step loss, gradients) in `dtype`: the mean of the ranks' losses, or for 'global-tokens' the sum of
-    every rank's token sum over all tokens."""
+    every rank's token sum over all tokens ('global-sequences': sequence sums over all sequences)."""
     model = copy.deepcopy(hf).to(dtype)
     per_rank = [rank_loss(name, model, b, dtype) for b in batches]
-    if LOSSES[name][1]["loss_scale"] == "global-tokens":
+    if LOSSES[name][1]["loss_scale"] in ("global-tokens", "global-sequences"):
         total = sum(t for _, t in per_rank)
         loss = sum(l * t for l, t in per_rank) / total
     else:
@@ -212,6 +222,13 @@ def check_engine(hf, batches, refs, rank, world):
                 dist.all_reduce(loss)
                 dist.all_reduce(tokens)
             loss = loss / tokens
+        elif name == "sft_nll_global_sequences":  # the rank's stat is its own sequence mean
+            seqs = torch.tensor(float(len(batches[rank]["input_ids"])), dtype=torch.float64)
+            loss = loss * seqs
+            if world > 1:
+                dist.all_reduce(loss)
+                dist.all_reduce(seqs)
+            loss = loss / seqs
         elif world > 1:
             dist.all_reduce(loss)
             loss /= world
@@ -269,6 +286,90 @@ def test_loss_options_are_checked():
     with pytest.raises(L.MissingFieldError, match=r"fields\['nope'\]: this batch has no such field"):
         fields["nope"]
     assert isinstance(L.MissingFieldError("x"), KeyError)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the options that bind only past a bound: written out per token, in float64, on planted log-ratios
+
+
+def _planted_fields(log_ratios, advantages, lengths, width):
+    """fp64 LossFields of len(lengths) sequences padded to `width`: row i's first lengths[i] tokens masked in
+    with log(pi / pi_old) = log_ratios[i] (a list per token) and advantage advantages[i]; the masked-out
+    tail carries a log-ratio of 50 and an advantage of -3, which must reach nothing. Returns (logp leaf,
+    fields)."""
+    g = torch.Generator().manual_seed(4)
+    B = len(lengths)
+    logp = -torch.rand(B, width, generator=g, dtype=torch.float64) * 3 - 0.1
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    diff = torch.full((B, width), 50.0, dtype=torch.float64)
+    for i, r in enumerate(log_ratios):
+        diff[i, :len(r)] = torch.tensor(r, dtype=torch.float64)
+    adv = torch.where(mask, torch.tensor(advantages, dtype=torch.float64)[:, None], -3.0)
+    fields = L.LossFields(mask=mask, old_logprobs=logp - diff, advantages=adv,
+                          seq_index=torch.arange(B)[:, None].expand(B, width))
+    return logp.clone().requires_grad_(), fields
+
+
+def _assert_fp64_close(label, got, want, terms):
+    """Two float64 evaluations of one formula in different orders, over sums of at most `terms` terms: 4 fp64
+    ulps of the largest value per term."""
+    tol = 4 * terms * U64 * max(want.abs().max().item(), 1.0)
+    err = (got - want).abs().max().item()
+    assert err <= tol, f"{label}: {err:.3g} off the formula (allowed {tol:.2g})\n{got}\n{want}"
+
+
+
+@pytest.mark.parametrize("clip_low", [0.2, None])
+def test_cispo_clips_the_weight_below_at_clip_low(clip_low):
+    """CISPO's weight is clamp(r, 1 - clip_low, 1 + clip_high), no lower bound for clip_low None, and carries
+    no gradient: loss = -sum(w A logp) / tokens, dloss/dlogp = -w A / tokens. The planted ratios
+    e^-0.7 = 0.50 and e^-0.3 = 0.74 lie below 1 - 0.2, e^-0.1 = 0.90 and e^0.2 = 1.22 inside, e^0.5 = 1.65
+    above 1 + 0.28: with clip_low 0.2 the first two weigh 0.8, with None 0.50 and 0.74."""
+    ratios = [[-0.7, 0.2, -0.1], [0.5, -0.3], [-0.1, -0.7, 0.5, 0.2]]
+    logp, fields = _planted_fields(ratios, [1.5, -0.8, 0.6], [3, 2, 4], width=5)
+    clip_high = 0.28
+    low = 0.0 if clip_low is None else 1 - clip_low
+    total, grad, tokens, clipped = 0.0, torch.zeros_like(logp), 0, 0
+    for i, row in enumerate(ratios):
+        a = fields["advantages"][i, 0].item()
+        for t, lr in enumerate(row):
+            r = math.exp(lr)
+            w = min(max(r, low), 1 + clip_high)
+            total -= w * a * logp[i, t].item()
+            grad[i, t] = -w * a
+            tokens += 1
+            clipped += w != r
+    loss, metrics = L.cispo(logp, None, fields, clip_low=clip_low, clip_high=clip_high)
+    loss.backward()
+    _assert_fp64_close("loss", loss.detach(), torch.tensor(total / tokens, dtype=torch.float64), tokens)
+    _assert_fp64_close("dloss/dlogp", logp.grad, grad / tokens, tokens)
+    # 3 weights below 0.8, 2 above 1.28
+    assert metrics["is_clipfrac"].item() == clipped / tokens == (5 if clip_low is not None else 2) / 9
+
+
+def test_gspo_caps_the_sequence_log_ratio_at_10():
+    """GSPO's sequence ratio s = exp(min(mean_t log(pi / pi_old), 10)) (verl's cap, a clamp: no gradient past
+    it), pg = max(-A s, -A clamp(s, 1 - clip_low, 1 + clip_high)), seq-mean-token-mean; the gradient of a
+    token is -A s / (its sequence's tokens x sequences) on the unclipped branch, else 0. With A < 0 the
+    unclipped branch wins, so the cap sets the loss: row 0's mean log-ratio 14 counts as 10 (e^14 would be
+    55x larger), row 1's 9.5 lies under the cap and counts as itself, row 2 is a plain in-range sequence."""
+    ratios = [[13.0, 15.0, 14.0], [9.0, 10.0], [0.05, 0.15, 0.1, 0.1]]
+    advantages = [-0.5, -1.0, 2.0]
+    logp, fields = _planted_fields(ratios, advantages, [3, 2, 4], width=6)
+    clip_low, clip_high = 0.2, 0.28
+    per_seq, grad = [], torch.zeros_like(logp)
+    for i, (row, a) in enumerate(zip(ratios, advantages)):
+        mean = sum(row) / len(row)
+        s = math.exp(min(mean, 10.0))
+        unclipped, clipped = -a * s, -a * min(max(s, 1 - clip_low), 1 + clip_high)
+        per_seq.append(max(unclipped, clipped))
+        if mean < 10.0 and unclipped >= clipped:
+            grad[i, :len(row)] = -a * s / (len(row) * len(ratios))
+    loss, _ = L.gspo(logp, None, fields, clip_low=clip_low, clip_high=clip_high)
+    loss.backward()
+    tokens = sum(map(len, ratios))
+    _assert_fp64_close("loss", loss.detach(), torch.tensor(sum(per_seq) / len(per_seq), dtype=torch.float64), tokens)
+    _assert_fp64_close("dloss/dlogp", logp.grad, grad, tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------

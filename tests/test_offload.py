@@ -110,6 +110,46 @@ def test_training_with_offloaded_state_equals_training_without(master_weights):
     assert streamed.state_location() == "host"
 
 
+@pytest.mark.parametrize("master_weights", MASTERS)
+def test_cancel_to_host_keeps_the_device_state_live(master_weights):
+    """A move to host memory cancelled before it is joined (a rollout whose KV cache never took the state's
+    memory): the optimizer keeps naming the same device tensors, bit for bit, nothing is in flight, the next
+    steps update them in place and equal an optimizer that never moved. A cancel with no move to host in
+    flight (none, a finished one, one back to the device) is a no-op that says so."""
+    ref, opt = optimizer(master_weights), optimizer(master_weights, "rollout")
+    opt.offload.chunk_bytes = 100  # many chunks, a partial last one
+    for o in (ref, opt):
+        o.step(grads_for(o.params, 0))
+    device_tensors = {k: list(ts) for k, ts in opt.state_lists().items()}
+    before = snapshot(opt)
+    assert opt.offload.cancel_to_host() is False
+    opt.offload.to_host(wait=False)
+    assert opt.offload.in_flight
+    assert opt.offload.cancel_to_host() is True
+    assert not opt.offload.in_flight and opt.state_location() == "device" and opt.offload.host_state_bytes() == 0
+    assert opt.offload.device_state_bytes() == sum(t.numel() * t.element_size() for ts in device_tensors.values()
+                                                   for t in ts)
+    for k, ts in opt.state_lists().items():
+        assert all(t is u for t, u in zip(ts, device_tensors[k], strict=True)), k
+    assert_same(snapshot(opt), before)
+    opt.offload.join()  # nothing left to join: the state stays where it is
+    assert opt.state_location() == "device"
+    for step in (1, 2):
+        for o in (ref, opt):
+            o.step(grads_for(o.params, step))
+    assert_same(snapshot(opt), snapshot(ref))
+    for k, ts in opt.state_lists().items():  # updated in place: the same tensors
+        assert all(t is u for t, u in zip(ts, device_tensors[k], strict=True)), k
+    # a move that was joined, or one back to the device, is not cancelled
+    opt.offload.to_host()
+    assert opt.offload.cancel_to_host() is False and opt.state_location() == "host"
+    opt.offload.to_device(wait=False)
+    assert opt.offload.cancel_to_host() is False
+    opt.offload.join()
+    assert opt.state_location() == "device"
+    assert_same(snapshot(opt), snapshot(ref))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("master_weights", MASTERS)
 def test_cuda_transfers_and_streamed_step_are_bitwise(master_weights):

@@ -6,6 +6,7 @@ requests kept across a `ppo_step` with their policy versions, and one driver per
 """
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -150,6 +151,87 @@ def test_delta_and_final_only_outputs_add_up_to_the_cumulative_one():
             assert [p.finish_reason for p in parts if p.finish_reason is not None] == [c.finish_reason]
         assert len(delta[rid]) > 1
 
+
+def greedy_reference(model, prompt, max_tokens, stop=()):
+    """Greedy decoding by the transformers model in float64, one full forward per token: the token ids, up to
+    max_tokens or through a stop token, which is kept (vLLM's convention)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] in stop:
+                break
+    return ids[len(prompt):]
+
+
+def forced_logprobs(model, prompt, tokens, dtype):
+    """The log-probs of `tokens` after `prompt` from one forward of the transformers model in `dtype`."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = copy.deepcopy(model).to(dtype)(ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    return logp.gather(-1, ids[0, len(prompt):, None]).squeeze(1).double()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_finished_outputs_hold_the_last_token(async_scheduling):
+    """A finished sample's output holds every token through the last one (the max_tokens-th, or the stop
+    token), as greedy decoding by the transformers model in float64 gives them, through each way out:
+    generate, generate_async, and add_request + step with cumulative, delta (concatenated) and final_only
+    outputs; one log-prob per token, each within 4 x what transformers in float32 is off the float64 ones
+    (+ 4 fp32 ulps of their scale)."""
+    from test_training import build
+
+    hf = build(initializer_range=0.2)  # at the default 0.02 greedy decoding repeats the prompt's last token
+    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", block_size=4, max_model_len=64,
+                                                 max_num_seqs=8, async_scheduling=async_scheduling))
+    prompts = prompts_for([3, 9])
+    reference = copy.deepcopy(hf).double()
+    length = greedy_reference(reference, prompts[0], 5)
+    stop = length[2]
+    assert stop not in length[:2]
+    requests = [(prompts[0], 5, ()), (prompts[0], 5, (stop,)), (prompts[1], 1, ())]
+    expected = [(length, "length"), (length[:3], "stop"), (greedy_reference(reference, prompts[1], 1), "length")]
+    assert [len(tokens) for tokens, _ in expected] == [5, 3, 1]
+    truth = [forced_logprobs(hf, p, tokens, torch.float64) for (p, _, _), (tokens, _) in zip(requests, expected)]
+    same = [forced_logprobs(hf, p, tokens, torch.float32) for (p, _, _), (tokens, _) in zip(requests, expected)]
+    tol = 4 * max((a - b).abs().max().item() for a, b in zip(same, truth)) + \
+        4 * 2.0**-23 * max(t.abs().max().item() for t in truth)
+
+    def params(kind="cumulative"):
+        return [he.SamplingParams(temperature=0.0, max_tokens=m, stop_token_ids=s, output_kind=kind)
+                for _, m, s in requests]
+
+    runs = {}
+    with engine.rollout():
+        runs["generate"] = [out.outputs[0] for out in engine.generate([p for p, _, _ in requests], params())]
+    for kind in ("cumulative", "delta", "final_only"):
+        with engine.rollout():
+            for i, ((prompt, _, _), p) in enumerate(zip(requests, params(kind))):
+                engine.add_request(f"r{i}", prompt, p)
+            parts = {f"r{i}": [] for i in range(len(requests))}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    parts[out.request_id].append(out)
+        assert all(outs[-1].finished for outs in parts.values())
+        if kind == "delta":
+            runs[kind] = [he.CompletionOutput(0, sum((o.outputs[0].token_ids for o in outs), []),
+                                              sum((o.outputs[0].logprobs for o in outs), []),
+                                              outs[-1].outputs[0].finish_reason, [])
+                          for outs in parts.values()]
+        else:
+            runs[kind] = [outs[-1].outputs[0] for outs in parts.values()]
+
+    async def tasks():
+        with engine.rollout():
+            return await asyncio.gather(*(engine.generate_async(p, sp) for (p, _, _), sp in zip(requests, params())))
+
+    runs["generate_async"] = [out.outputs[0] for out in asyncio.run(tasks())]
+    for way, outputs in runs.items():
+        for i, (c, (tokens, reason), logprobs) in enumerate(zip(outputs, expected, truth)):
+            assert (c.token_ids, c.finish_reason) == (tokens, reason), (way, i)
+            assert len(c.logprobs) == len(tokens), (way, i, c.logprobs)
+            err = (torch.tensor(c.logprobs, dtype=torch.float64) - logprobs).abs().max().item()
+            assert err <= tol, (way, i, err, tol)
 
 def test_output_kind_is_checked():
     with pytest.raises(ValueError, match="output_kind must be one of"):

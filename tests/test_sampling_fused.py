@@ -202,6 +202,82 @@ def test_engine_config_sampler_checks(monkeypatch):
         he.EngineConfig(device="cpu", sampler="fused")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# top-p at its boundary: the rows that truncate (`sample`, `sample_ref`, and the fused sampler's mixed steps,
+# which give them to `sample`) against the nucleus written out here
+
+NUCLEUS_PROBS = [0.0625, 0.5, 0.125, 0.0625, 0.25]
+"""Binary fractions, shuffled: their log-softmax and every partial sum are exact in fp32, so a top_p of 0.5,
+0.75 or 0.875 lands exactly on a prefix's mass (the two 0.0625 tie, and no top_p here splits them)."""
+
+
+def nucleus(probs: list[float], top_p: float) -> set[int]:
+    """The smallest set of most likely tokens whose mass reaches top_p (HF's TopPLogitsWarper and vLLM keep
+    the token that crosses it; at an exact tie the prefix that reaches it is enough)."""
+    kept, mass = set(), 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        if mass >= top_p:
+            break
+        kept.add(i)
+        mass += probs[i]
+    return kept
+
+
+def _assert_draws_from_nucleus(tokens: torch.Tensor, top_p: float) -> None:
+    """Every kept token drawn and nothing else (the smallest kept probability is >= 1/16: 400 draws all miss
+    it with probability < 1e-11), in proportions the chi-square test accepts (p > 1e-4)."""
+    from conftest import chi_square_p_value
+
+    kept = sorted(nucleus(NUCLEUS_PROBS, top_p))
+    assert set(tokens.tolist()) == set(kept), (top_p, sorted(set(tokens.tolist())), kept)
+    if len(kept) > 1:
+        index = torch.tensor([kept.index(t) for t in tokens.tolist()])
+        probs = torch.tensor([NUCLEUS_PROBS[t] for t in kept], dtype=torch.float64)
+        p_value = chi_square_p_value(index, probs / probs.sum())
+        assert p_value > 1e-4, (top_p, p_value)
+
+
+TOP_PS = [0.5, 0.6, 0.75, 0.8, 0.875, 1.0]
+"""Exactly at a prefix's mass (0.5, 0.75, 0.875: keep that prefix), between two (0.6, 0.8: keep the token
+that crosses), and the whole vocabulary."""
+
+
+@pytest.mark.parametrize("sampler", ["sample", "sample_ref"])
+def test_top_p_keeps_the_smallest_prefix_that_reaches_p(sampler):
+    from hybridengine.rollout.sampler import sample, sample_ref
+
+    fn = sample if sampler == "sample" else sample_ref
+    n = 400
+    logits = torch.tensor(NUCLEUS_PROBS).log()
+    assert logits.softmax(-1).tolist() == NUCLEUS_PROBS  # the ties are exact in fp32
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in TOP_PS for _ in range(n)]
+    tokens, logprobs = fn(logits.repeat(len(params), 1), params, [None] * len(params))
+    for i, p in enumerate(TOP_PS):
+        _assert_draws_from_nucleus(tokens[i * n:(i + 1) * n], p)
+    # the log-probs are the untruncated distribution's
+    assert torch.equal(logprobs, logits.log_softmax(-1)[tokens])
+
+
+@pytest.mark.skipif(not _INTERP and not torch.cuda.is_available(), reason="the fused sampler needs CUDA or the "
+                    "Triton interpreter")
+def test_fused_sampler_steps_keep_the_top_p_nucleus(device):
+    """The fused sampler does not truncate: in a step that mixes its rows with truncating ones, the truncating
+    rows take `sample` and keep the nucleus at its boundary."""
+    from hybridengine.rollout.sampler import Sampler
+    from hybridengine.rollout.sequence import Sequence
+
+    n = 400
+    rows = [SamplingParams(temperature=0.0)] + [SamplingParams(temperature=1.0, top_p=p) for p in (0.75, 0.6)
+                                                for _ in range(n)] + [SamplingParams(temperature=1.0)]
+    seqs = [Sequence(request=i, token_ids=[1], num_prompt_tokens=1, params=p) for i, p in enumerate(rows)]
+    logits = torch.tensor(NUCLEUS_PROBS).log().repeat(len(rows), 1).to(device)
+    tokens, _ = Sampler(seed=0)(logits, seqs, "fused")
+    tokens = tokens.cpu()
+    assert tokens[0] == 1
+    _assert_draws_from_nucleus(tokens[1:n + 1], 0.75)
+    _assert_draws_from_nucleus(tokens[n + 1:2 * n + 1], 0.6)
+
+
 @pytest.mark.gpu
 def test_sample_fused_on_cuda_at_a_real_vocabulary():
     """The GPU kernel (ex2/lg2 approximations) at Qwen2's 151,936 columns, the auto split plan."""
