@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     value = he.ValueConfig(clip=args.value_clip or None, lr=args.critic_lr, max_grad_norm=1.0,
                            loss_agg="token-mean", micro_batch_tokens=8192)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    # The CPU's (unfused) sampler draws unseeded rows from torch's default generator: seeded, a run repeats.
+    torch.manual_seed(args.seed * 1000 + rank)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "metrics.jsonl", "w") if rank == 0 else None
