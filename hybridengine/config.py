@@ -8,10 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridengine import checks
-from hybridengine.model.tensor_parallel import TP_ALL_REDUCE
-from hybridengine.train.offload import MODES as OFFLOAD_MODES
-
-SAMPLERS = ("auto", "fused", "torch")
+from hybridengine.options import OFFLOAD_MODES, SAMPLERS, TP_ALL_REDUCE
 
 
 @dataclass(kw_only=True, slots=True)

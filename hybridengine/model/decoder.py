@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +35,6 @@ from hybridengine.ops.silu_mul import silu_mul, silu_mul_torch, silu_mul_train
 from hybridengine.ops.stacked_rows import stacked_rows
 from hybridengine.sharding.buffer import FlatParamBuffer
 from hybridengine.sharding.layout import param_specs
-
-if TYPE_CHECKING:
-    from hybridengine.model.tensor_parallel import VocabShard
 
 
 class Kernels(Enum):
@@ -74,6 +71,15 @@ class FlatAttention(Protocol):
                sliding_window: int | None) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. A `Kernels.ROLLOUT` backend also takes
         `rope=(cos, sin)`: q and k not rotated yet, rotated in the KV store's kernel."""
+
+
+class VocabSlice(Protocol):
+    """What the model calls on its vocabulary slice under tensor-parallel generation. The one installed is
+    `tensor_parallel.VocabShard` (whose rows the rollout also reads); declared here so that the model does
+    not import the code that parallelizes it."""
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor:
+        """This rank's logits [..., rows] -> the whole vocabulary's [..., vocab_size] (a TP collective)."""
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +337,7 @@ class CausalLM(nn.Module):
             owner, attr = name.rsplit(".", 1)
             setattr(self.get_submodule(owner), attr, nn.Parameter(buffer.view(name)))
         self.register_buffer("inv_freq", config.rope.inv_freq(config.head_dim).to(buffer.device), persistent=False)
-        self.vocab_shard: VocabShard | None = None
+        self.vocab_shard: VocabSlice | None = None
         """Under tensor-parallel generation, this rank's slice of the vocabulary (set by
         `tensor_parallel.parallelize`): the LM head's rows, and how to gather the logits."""
 

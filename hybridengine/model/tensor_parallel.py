@@ -31,6 +31,7 @@ from torch import nn
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM
 from hybridengine.ops.exact_linear import linear_exact
+from hybridengine.options import TP_ALL_REDUCE
 
 
 def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
@@ -120,9 +121,6 @@ class SymmAllReduce(GroupAllReduce):
         buf = self._buffer(x.shape)
         buf.copy_(x)
         return self._reduce(buf, x)
-
-
-TP_ALL_REDUCE = ("auto", "nccl", "symm_mem")
 
 
 def make_all_reduce(mode: str, group, *, capacity: int, dtype: torch.dtype, device: torch.device) -> SymmAllReduce | None:

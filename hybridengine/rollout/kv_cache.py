@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import TYPE_CHECKING
 
 import torch
+
+from hybridengine.memory import available_memory
 
 if TYPE_CHECKING:
     from hybridengine.config import EngineConfig
@@ -203,22 +204,6 @@ def _host_blocks(config: EngineConfig, per_block: int, one_seq: int, most: int, 
                            f"max_model_len={config.max_model_len} ({one_seq * per_block / 2**30:.2f} GiB); lower "
                            "max_model_len or set EngineConfig.num_kv_blocks")
     return min(budget // per_block, most)
-
-
-def available_memory() -> int | None:
-    """Bytes of host memory available to a new allocation (Linux MemAvailable; free pages elsewhere),
-    or None when the system does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def allocate_kv_cache(config: EngineConfig, model: ModelConfig, device: torch.device, *, rank: int = 0,

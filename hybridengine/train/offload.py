@@ -39,9 +39,8 @@ from collections.abc import Callable
 
 import torch
 
-MODES = ("none", "rollout", "optimizer")
-"""EngineConfig.offload: 'none' (state on the device), 'rollout' (in host memory during rollout()),
-'optimizer' (in host memory always, streamed through the device for each step)."""
+from hybridengine.options import OFFLOAD_MODES as MODES  # noqa: F401  (optimizer and tests read it here)
+
 CHUNK_BYTES = 64 * 2**20
 """Bytes per copy of a transfer: small enough that a failure or a join finds little in flight, large
 enough that a copy runs at the link's bandwidth."""
@@ -73,7 +72,7 @@ def _chunks(t: torch.Tensor, chunk_bytes: int):
 
 def host_available_bytes() -> int | None:
     """Host memory available to a new allocation (Linux MemAvailable), or None when unknown."""
-    from hybridengine.rollout.kv_cache import available_memory
+    from hybridengine.memory import available_memory
 
     return available_memory()
 
