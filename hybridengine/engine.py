@@ -45,13 +45,14 @@ from hybridengine.model.decoder import CausalLM
 from hybridengine.model.loading import hf_config_dict, load_model
 from hybridengine.model.tensor_parallel import local_config, make_all_reduce, parallelize
 from hybridengine.rollout import generator
-from hybridengine.rollout.kv_cache import allocate_kv_cache, cuda_budget
+from hybridengine.rollout.kv_cache import allocate_kv_cache
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
 from hybridengine.rollout.requests import RolloutSession
 from hybridengine.rollout.runner import ModelRunner
 from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.sharding.switch import ShardedBuffer
+from hybridengine.train.offload_policy import OffloadPolicy
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -61,33 +62,6 @@ def _empty_device_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-
-class _KVGrowth:
-    """The growth of a rollout's KV cache into the optimizer state's memory (offload 'rollout'), the
-    `grow` callback of its scheduler (`Scheduler.grow`). The cache takes the state's memory when it is
-    full (the scheduler would otherwise preempt, or could not start a request: it waits for the copy
-    to host memory then), not before: a rollout that fits in the memory free at entry leaves the state
-    on the device, and nothing has to come back (`HybridEngine._leave_rollout` drops the host copy)."""
-
-    def __init__(self, engine: "HybridEngine", kv):
-        self.engine, self.kv = engine, kv
-        self.per_block = kv.capacity_bytes() // kv.capacity
-        self.grown = False
-
-    def __call__(self) -> int:
-        if self.grown:
-            return 0
-        e, t0 = self.engine, time.perf_counter()
-        e._join_offload()  # the state's device memory goes back to torch's allocator ...
-        if e.device.type == "cuda":
-            torch.cuda.empty_cache()  # ... and to the driver, for the cache to map
-            budget = cuda_budget(e.config, e.model.config, e.device)
-        else:  # (tests) off CUDA the cache holds its whole capacity from the start
-            budget = self.kv.capacity_bytes()
-        self.kv.grow_to(self.kv.num_blocks + max(budget, 0) // self.per_block)
-        e.stats["kv_grow_s"] = time.perf_counter() - t0
-        self.grown = True
-        return self.kv.num_blocks
 
 __all__ = ["CollectiveError", "CompletionOutput", "EngineConfig", "HybridEngine", "RequestOutput"]
 
@@ -127,7 +101,6 @@ class HybridEngine:
         self._sampler = Sampler(config.seed, self.model.vocab_shard, exact=config.exact_logprobs)  # its RNG keys the fused sampler's unseeded rows
         self._runner: ModelRunner | None = None
         self._kv = None  # the open rollout's KVCache (released at its exit)
-        self._kv_growth: _KVGrowth | None = None  # and its growth (offload 'rollout' on CUDA)
         self._session: RolloutSession | None = None  # the open rollout's requests
         self._kept: list = []  # requests kept unfinished by the last rollout (`rollout(keep_unfinished=True)`)
         self._stepper: asyncio.Task | None = None  # generate_async's stepping task
@@ -135,6 +108,9 @@ class HybridEngine:
         self._cache_hits = 0  # prefix-cache hits of the closed rollouts
         self._training = None
         self.stats: dict[str, float] = {"prefix_cache_hit_tokens": 0}
+        # EngineConfig.offload: when the optimizer state leaves the device for a rollout and comes back
+        self._offload = OffloadPolicy(config, self.model.config, device, trainer=lambda: self._training,
+                                      stats=self.stats, tp_generation=self._tp is not None)
 
     def _build(self, source) -> CausalLM:
         """Load the source into a ShardedBuffer and return the model over its generation view: under TP
@@ -301,19 +277,13 @@ class HybridEngine:
         host memory: `host_optimizer` (optimizer state in host memory now), `host_pinned_total` (the host
         allocation the offload holds, pinned on CUDA; EngineConfig.offload). Inside rollout(): `kv_cache` (the
         cache's memory now) and `kv_cache_capacity` (what it can grow to: with offload 'rollout' the cache
-        grows into the optimizer state's memory when it is full; `_KVGrowth`)."""
+        grows into the optimizer state's memory when it is full; `OffloadPolicy.grow`)."""
         gib = 2**30
         rep = dict(parameters_mapped=self.sharded.gen.mapped_bytes() / gib,
                    parameters_shard=self.sharded.layout.shard_numel * self.sharded.layout.element_size / gib)
+        rep.update(self._offload.report())  # optimizer (on the device), host_optimizer, host_pinned_total
         trainer = self._training
-        tensors = trainer.optimizer.state_tensors() if trainer is not None and trainer.has_optimizer else []
         grads = trainer.held_gradients if trainer is not None else []
-        state = sum(t.numel() * t.element_size() for t in tensors)
-        offload = trainer.optimizer.offload if tensors else None
-        host = offload.host_state_bytes() if offload is not None else 0  # a transfer in flight counts at its source
-        rep["optimizer"] = (state - host) / gib  # on the device; 0 before the first step
-        rep["host_optimizer"] = host / gib  # offloaded to host memory (EngineConfig.offload)
-        rep["host_pinned_total"] = (offload.host.nbytes if offload is not None and offload.host is not None else 0) / gib
         rep["gradients"] = sum(g.numel() * g.element_size() for g in grads) / gib
         kv = self._runner.kv if self._runner is not None else None
         rep["kv_cache"] = kv.nbytes() / gib if kv is not None else 0.0  # the memory it holds now
@@ -351,18 +321,8 @@ class HybridEngine:
                                      split_master=self.config.split_master, keep_grads=self.config.keep_grads,
                                      exact=self.config.exact_logprobs, offload=self.config.offload,
                                      offload_host_limit_bytes=None if limit is None else int(limit * 2**30))
-        self._bring_back_optimizer(cfg is not None)
+        self._offload.bring_back(stepping=cfg is not None)
         return self._training
-
-    def _bring_back_optimizer(self, stepping: bool) -> None:
-        """EngineConfig.offload at a training call: 'rollout' starts copying the optimizer state back to the
-        device (the optimizer step joins it; log_probs runs meanwhile); 'optimizer' makes the host state at
-        the first stepping call's check, so that a host that cannot hold it fails the call before any work."""
-        trainer = self._training
-        if self.config.offload == "rollout" and trainer.has_optimizer:
-            trainer.optimizer.offload.to_device()
-        elif self.config.offload == "optimizer" and stepping:
-            trainer.optimizer  # noqa: B018 - allocates the host state (raises OffloadError before anything moves)
 
     # Each training call is a collective phase: every rank validates its batch (and config) before any
     # collective and the ranks agree on the outcome, so a bad input raises on every rank at once.
@@ -425,47 +385,24 @@ class HybridEngine:
         prepare_generation`): call it right after the last `ppo_step` before `rollout()`, so the page
         mapping overlaps that step's queued GPU work and the switch is only the all-gather. The pages
         hold model/tg of memory from then on. With `offload="rollout"` and a KV cache that cannot grow
-        (`_kv_grows`: off CUDA, without VMM, under TP generation) the optimizer state's copy to host memory
-        starts here too; a growing cache starts it at rollout() entry, after the switch. No-op
-        off CUDA / without the VMM buffer (the offload aside)."""
+        (`OffloadPolicy.cache_grows`: off CUDA, without VMM, under TP generation) the optimizer state's copy
+        to host memory starts here too (`OffloadPolicy.start`); a growing cache starts it at rollout() entry,
+        after the switch. No-op off CUDA / without the VMM buffer (the offload aside)."""
         if self.role == "critic":
             raise RuntimeError("prepare_rollout() needs an actor engine; this one is a critic")
         self.sharded.prepare_generation()
-        trainer = self._training
-        if self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer and not self._kv_grows():
-            from hybridengine.train.offload import OffloadError
-
-            try:  # the copy to host starts now, behind the step's queued work; rollout() joins it
-                trainer.optimizer.offload.to_host(wait=False)
-            except OffloadError:
-                pass  # nothing moved; rollout() raises it on every rank
+        self._offload.start(early=True)
 
     def _check_rollout(self) -> None:
         if self.role == "critic":
             raise RuntimeError("rollout() needs an actor engine; this one is a critic")
         if self._runner is not None:
             raise RuntimeError("rollout() is already active")
-        trainer = self._training
-        if self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer:
-            # Before any collective: a host that cannot hold the state (or a failed copy) raises on every
-            # rank with the state still on the device. The copies run on a side stream during the switch
-            # and rollout() joins them before it sizes the KV cache; a cache that grows starts them later
-            # (rollout() entry) and takes their memory when they are done.
-            if self._kv_grows():
-                trainer.optimizer.offload.prepare_host()
-            else:
-                trainer.optimizer.offload.to_host(wait=False)
-
-    def _kv_grows(self) -> bool:
-        """The rollout's KV cache starts in the memory free at entry, with the optimizer state's copy to
-        host memory running, and grows into the state's memory when it is full (`_KVGrowth`; no wait at
-        entry): offload 'rollout' on CUDA with the VMM API, one generation rank per group (under TP the
-        ranks' caches must stay alike)."""
-        from hybridengine.sharding.generation_memory import vmm_status
-
-        trainer = self._training
-        return (self.config.offload == "rollout" and trainer is not None and trainer.has_optimizer
-                and self._tp is None and self.device.type == "cuda" and vmm_status(self.device.index or 0)[0])
+        # Before any collective: a host that cannot hold the optimizer state (or a failed copy) raises on
+        # every rank with the state still on the device. The copies run on a side stream during the switch
+        # and rollout() joins them before it sizes the KV cache; a cache that grows starts them later
+        # (rollout() entry) and takes their memory when they are done.
+        self._offload.start()
 
     @property
     def policy_version(self) -> int:
@@ -501,15 +438,10 @@ class HybridEngine:
                 t0 = time.perf_counter()
                 self.sharded.switch_to_generation()
                 self.stats["switch_to_generation_s"] = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                grow = None
-                if self._kv_grows():
-                    kv, grow = self._growing_kv_cache()
-                else:
-                    self._join_offload()  # the KV cache is sized with the optimizer state's memory free
-                    kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank)
-                self.stats["offload_wait_s"] = time.perf_counter() - t1
-                self._kv, self._kv_growth = kv, grow
+                # offload 'rollout': the cache waits for the optimizer state's copy out, or grows into it
+                kv, grow = self._offload.kv_cache(functools.partial(
+                    allocate_kv_cache, self.config, self.model.config, self.device, rank=self.rank))
+                self._kv = kv
                 t1 = time.perf_counter()
                 self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
                                            max_model_len=self.config.max_model_len,
@@ -548,35 +480,6 @@ class HybridEngine:
                     gc.unfreeze()
                     self._leave_rollout()
 
-    def _growing_kv_cache(self):
-        """offload 'rollout' with a growing cache (`_kv_grows`): start the optimizer state's copy to host
-        memory, and return a cache that starts in the memory free now and its `_KVGrowth`."""
-        offload = self._training.optimizer.offload
-        _empty_device_cache(self.device)  # the cache maps memory outside torch's allocator: give its idle blocks back
-        freed = offload.device_state_bytes()
-        offload.to_host(wait=False)
-        kv = allocate_kv_cache(self.config, self.model.config, self.device, rank=self.rank, freed_bytes=freed)
-        return kv, _KVGrowth(self, kv)
-
-    def _join_offload(self) -> None:
-        """Wait for the optimizer state's copy out, then note in `stats` what the round trip cost: the host
-        seconds of the calls that started each direction (`offload_start_out_s`, `offload_start_back_s`:
-        allocation and launch) and the device seconds of the copies (`offload_copy_out_s`, and
-        `offload_copy_back_s` of the copy back before it; CUDA only)."""
-        trainer = self._training
-        if self.config.offload != "none" and trainer is not None and trainer.has_optimizer:
-            trainer.optimizer.offload.join()
-            self._note_offload(trainer.optimizer.offload)
-
-    def _note_offload(self, offload) -> None:
-        """`stats` of the offload's last transfers (see `_join_offload`)."""
-        for target, way in (("host", "out"), ("device", "back")):
-            if target in offload.start_seconds:
-                self.stats[f"offload_start_{way}_s"] = offload.start_seconds[target]
-            copy = offload.copy_seconds(target)
-            if copy is not None:
-                self.stats[f"offload_copy_{way}_s"] = copy
-
     def _close(self, session: RolloutSession, keep: bool, ok: bool) -> list:
         """The end of a rollout's requests: under TP on a normal exit, the driver tells its group (and
         sends what it has not sent yet); the followers run its messages until then. Returns the kept."""
@@ -603,13 +506,7 @@ class HybridEngine:
             kv.release()  # a VMM cache's memory, now that nothing in flight touches it
         del kv  # the last reference: the allocator must see the cache's blocks free when it empties
         _empty_device_cache(self.device)
-        if self._kv_growth is not None and not self._kv_growth.grown:
-            # The cache never needed the optimizer state's memory: the state is still on the device,
-            # unchanged, so the host copy is dropped (once its copies are done) and nothing comes back.
-            offload = self._training.optimizer.offload
-            if offload.cancel_to_host():
-                self._note_offload(offload)
-        self._kv = self._kv_growth = None
+        self._offload.cancel()  # a copy out whose memory the cache never took: the state stays on the device
         if self.sharded.state == "generation":
             self.sharded.switch_to_training()
 

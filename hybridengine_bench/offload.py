@@ -191,7 +191,7 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
 
     medians = {}
     for mode, grow in (("none", False), ("rollout", False), ("rollout", True)):
-        if grow and not engine._kv_grows():
+        if grow and not engine._offload.cache_grows():
             continue  # the cache cannot grow here (off CUDA): 'rollout' above is the whole story
         engine.config.offload = mode
         for k in (*TRANSFERS, "kv_grow_s"):

@@ -600,9 +600,11 @@ def test_probe_step_memory_marks_every_phase_and_restores_what_it_wrapped(capsys
     import json
 
     from hybridengine_bench.probes import probe_step_memory
+    from hybridengine.train.gathered_model import GatheredModel
     from hybridengine.train.trainer import Trainer
 
-    wrapped = [getattr(Trainer, m) for m in ("_forward_layers_with_graphs", "_micro_step", "_clip_and_step", "_reduce")]
+    wrapped = [getattr(Trainer, m) for m in ("_micro_step", "_clip_and_step", "_reduce")]
+    wrapped.append(GatheredModel.forward_layers_with_graphs)
     rows = probe_step_memory.main(["--reps", "2", "--sync-after-forward"])
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert printed == json.loads(json.dumps(rows)) and len(rows) == 4
@@ -610,5 +612,5 @@ def test_probe_step_memory_marks_every_phase_and_restores_what_it_wrapped(capsys
     for r in rows:
         assert r["ok"] and [label for label, _, _ in r["trace"]] == [
             "start", "forward", "micro_batch", "optimizer_step", "end"]
-    assert [getattr(Trainer, m) for m in ("_forward_layers_with_graphs", "_micro_step", "_clip_and_step",
-                                          "_reduce")] == wrapped
+    assert [getattr(Trainer, m) for m in ("_micro_step", "_clip_and_step", "_reduce")] + [
+        GatheredModel.forward_layers_with_graphs] == wrapped

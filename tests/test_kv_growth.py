@@ -2,7 +2,7 @@
 its copy to host memory is done): the cache, the block manager, the scheduler's waiting, the engine.
 
 Off CUDA the cache holds its whole capacity from the start and growth is bookkeeping; the engine's growth
-path is forced there (`HybridEngine._kv_grows`) to run the same logic as on CUDA, where the cache is a VMM
+path is forced there (`OffloadPolicy.cache_grows`) to run the same logic as on CUDA, where the cache is a VMM
 range whose planes are mapped as it grows (the GPU tests at the end).
 """
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import hybridengine as he
-from hybridengine.engine import HybridEngine
 from hybridengine.model.config import ModelConfig
 from hybridengine.rollout.block_manager import BlockManager
 from hybridengine.rollout.kv_cache import KVCache, growing_kv_blocks
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.rollout.scheduler import Scheduler
 from hybridengine.rollout.sequence import Sequence
+from hybridengine.train.offload_policy import OffloadPolicy
 
 SHAPE = dict(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
 
@@ -158,8 +158,8 @@ def ppo_batch(step):
 
 @pytest.fixture
 def growing(monkeypatch):
-    monkeypatch.setattr(HybridEngine, "_kv_grows", lambda self: self.config.offload == "rollout"
-                        and self._training is not None and self._training.has_optimizer)
+    monkeypatch.setattr(OffloadPolicy, "cache_grows",
+                        lambda self: self.config.offload == "rollout" and self.has_state())
 
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
@@ -275,8 +275,7 @@ def _growth_on_ranks(rank, world, init_file, errors):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank}"):
-        HybridEngine._kv_grows = lambda self: (self.config.offload == "rollout" and self._training is not None
-                                               and self._training.has_optimizer)
+        OffloadPolicy.cache_grows = lambda self: self.config.offload == "rollout" and self.has_state()
         ref, e = engine("none", exact_logprobs=True), engine("rollout", num_kv_blocks=3, exact_logprobs=True)
         for x in (ref, e):
             x.ppo_step(ppo_batch(rank), CFG)
@@ -345,7 +344,7 @@ def test_cuda_engine_offload_with_a_growing_cache_equals_none():
     ref, e = make("none"), make("rollout")
     for x in (ref, e):
         x.ppo_step(ppo_batch(0), CFG)
-    assert e._kv_grows()
+    assert e._offload.cache_grows()
     params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=3)
     for step in (1, 2):
         got, want = rollout_and_step(e, step, params), rollout_and_step(ref, step, params)

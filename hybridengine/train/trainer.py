@@ -1,14 +1,15 @@
 """Training on the shared buffer: ZeRO-3-style forward/backward, log-probs and the PPO step.
 
 The training view of the parameters never exists as a whole. Forward runs unit by unit: gather the
-unit's shards from all ranks (`ShardedBuffer.gather_unit`, prefetching the next one), run it, drop
-it. With activation checkpointing (the default) forward keeps only each layer's input; backward
-walks the layers in reverse, gathers the layer again, recomputes it with autograd, backpropagates,
-packs the parameter gradients to slice-major order and reduce-scatters them (fp32) into this rank's
-gradient shard. Without, forward keeps each layer's autograd graph over parameters it lets go of
-(`ReleasedParams`), and backward only gathers them again. The loss is the fused `ppo_loss` over the LM head, so the [tokens, vocab] logits
-never exist. The optimizer (`FlatAdamW`) updates fp32 master shards and writes the new bf16 weights
-straight into the shard inside the generation buffer: the next rollout sees them with no sync.
+unit's shards from all ranks (`ShardedBuffer.gather_unit`, prefetching the next one), run it, drop it
+(`GatheredModel`, train/gathered_model.py). With activation checkpointing (the default) forward keeps
+only each layer's input; backward walks the layers in reverse, gathers the layer again, recomputes it
+with autograd, backpropagates, packs the parameter gradients to slice-major order and reduce-scatters
+them (fp32) into this rank's gradient shard (`GradShards`, train/gradients.py). Without, forward keeps
+each layer's autograd graph over parameters it lets go of (`ReleasedParams`), and backward only gathers
+them again. The loss is the fused `ppo_loss` over the LM head, so the [tokens, vocab] logits never
+exist. The optimizer (`FlatAdamW`) updates fp32 master shards and writes the new bf16 weights straight
+into the shard inside the generation buffer: the next rollout sees them with no sync.
 
 Sequences are packed (no padding token is computed): flat token ids with positions restarting at 0
 per sequence, attention per sequence (`PackedAttention`).
@@ -26,20 +27,18 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from hybridengine import checks
 from hybridengine.model.config import ModelConfig
-from hybridengine.model.decoder import CausalLM, rope_cos_sin
 from hybridengine.ops.ppo_loss import masked_logprobs, ppo_loss, token_logprobs, value_loss
-from hybridengine.ops.rms_norm import rms_norm_train
 from hybridengine.sharding.switch import ShardedBuffer
 from hybridengine.train.batch import PPOBatch, plan_micro_batches
 from hybridengine.train.config import PPOConfig, TrainConfig, ValueConfig
+from hybridengine.train.gathered_model import GatheredModel
+from hybridengine.train.gradients import GradShards, add_embedding_grad_
 from hybridengine.train.losses import LossFields, LossFnError
 from hybridengine.train.optimizer import FlatAdamW, mask_ranges
 from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - hybridengine_bench.prefill_attention imports it from here
-from hybridengine.train.released_params import ReleasedParams
 
 # the batch and configs are re-exported here
 __all__ = ["PPOBatch", "PPOConfig", "TrainConfig", "Trainer", "ValueConfig"]
@@ -51,7 +50,6 @@ class Trainer:
     def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, optimizer_config: PPOConfig | None = None,
                  fused: bool = False, split_master: bool = False, keep_grads: bool = False, exact: bool = False,
                  offload: str = "none", offload_host_limit_bytes: int | None = None):
-        self.fused = fused  # EngineConfig.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels
         # EngineConfig.exact_logprobs: linear_exact, exact_attention and the exact LM-head pass, the rollout's bits
         self.exact = exact
         self.split_master = split_master  # EngineConfig.split_master: bf16 weights + int16 low halves
@@ -61,17 +59,11 @@ class Trainer:
         self.sharded, self.config = sharded, config
         self.layout = sharded.layout
         self.device = sharded.device
-        self.dtype = sharded.gen.data.dtype
-        # Module structure only (meta device): every call passes the gathered weights explicitly.
-        self.skeleton = CausalLM(config, dtype=self.dtype, device="meta")
-        self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)
-        self.units = {u.name: i for i, u in enumerate(self.layout.units)}
+        self.model = GatheredModel(sharded, config, fused=fused, exact=exact)  # run on gathered units
         self.critic = config.value_head
-        self.tied = config.tie_word_embeddings and not self.critic
-        self.head_name = "score.weight" if self.critic else "model.embed_tokens.weight" if self.tied else "lm_head.weight"
         # Per unit shard: the ranges that take weight decay, and where the replicated copies sit (few
         # elements: norms and biases), for the grad norm. No per-element mask stays on the device.
-        self._decay, self._replicated_index = self._masks()
+        self._decay, replicated_index = self._masks()
         # Validated before it is kept: a rejected config must not stay behind to fail every later call.
         if optimizer_config is not None:
             if not isinstance(optimizer_config, (TrainConfig, ValueConfig)):
@@ -83,27 +75,24 @@ class Trainer:
         self.num_retired_steps = 0  # updates made by optimizers that reset_optimizer dropped (`policy_version`)
         # AdamW state (12 B/param with fp32 master weights) appears at the first optimizer step: an engine
         # that only scores (a reference model's log_probs) never holds it. Gradient shards (4 B/param) live
-        # from a unit's first reduce-scatter of a step to the end of its optimizer step (unless keep_grads):
-        # with activations kept, the forward's peak then holds no gradients, as FSDP with set_to_none.
-        self._grads: list[torch.Tensor | None] | None = None
-        self._fresh: set[int] = set()  # units whose grad shard this step has not written yet
-        self._pending = None  # (work, input, out or None, unit) of the reduce-scatter in flight
+        # through a step's backward and optimizer step (unless keep_grads; train/gradients.py).
+        self._grad_shards = GradShards(sharded, replicated_index)
         self._optimizer: FlatAdamW | None = None
+
+    @property
+    def fused(self) -> bool:
+        """EngineConfig.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels (settable)."""
+        return self.model.fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self.model.fused = value
 
     @property
     def grads(self) -> list[torch.Tensor]:
         """fp32 gradient shard per unit: the last step's with keep_grads, else (or after a failed step) zeros
         outside a step."""
-        if self._grads is None:
-            self._grads = [None] * len(self.layout.units)
-        for u, g in enumerate(self._grads):
-            if g is None:
-                self._grads[u] = self._new_grad(u).zero_()
-        return self._grads
-
-    def _new_grad(self, u: int) -> torch.Tensor:
-        """An uninitialised fp32 gradient shard of unit u."""
-        return torch.empty(self.layout.units[u].shard_numel, dtype=torch.float32, device=self.device)
+        return self._grad_shards.all()
 
     @property
     def optimizer(self) -> FlatAdamW:
@@ -139,7 +128,7 @@ class Trainer:
     @property
     def held_gradients(self) -> list[torch.Tensor]:
         """The gradient shards this rank holds now (none between steps unless keep_grads); read-only use."""
-        return [g for g in self._grads or [] if g is not None]
+        return self._grad_shards.held()
 
     # -- masks over the flat shards ------------------------------------------------------------------
 
@@ -161,95 +150,6 @@ class Trainer:
             decay.append(mask_ranges(d[start:end]))
             replicated.append(r[start:end].nonzero().squeeze(1).to(self.device))
         return decay, replicated
-
-    # -- the pieces of the model, on explicit weights ---------------------------------------------------
-
-    def _layer_params(self, i: int, natural: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
-        """Layer i's parameters by their names inside the layer: views of `natural` (leaves with grad)."""
-        unit = self.layout.units[self.units[f"layers.{i}"]]
-        prefix = f"model.layers.{i}."
-        params = {}
-        for s in unit.params:
-            p = self.layout.natural_view(natural, s.name)
-            params[s.name[len(prefix):]] = p.detach().requires_grad_(True) if grad else p
-        return params
-
-    def _layer(self, i: int, natural: torch.Tensor, x, cos, sin, attn, grad: bool):
-        params = self._layer_params(i, natural, grad)
-        return functional_call(self.skeleton.model.layers[i], params, (x, cos, sin, attn, i)), params
-
-    def _norm(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The final norm: the fused kernel (as the rollout's last norm) with fused training, else the module."""
-        if self.fused:
-            return rms_norm_train(x, weight, self.skeleton.model.norm.eps)
-        return functional_call(self.skeleton.model.norm, {"weight": weight}, (x,))
-
-    def _pack_inputs(self, batch: PPOBatch, rows: list[int], embedding_rows: bool = False):
-        """The micro-batch's packed ids, RoPE tables, attention and cu_seqlens; with `embedding_rows`
-        also (distinct ids, each token's index among them) for `add_embedding_grad_`, found on the host
-        before the copy: on CUDA `torch.unique` would wait for the device (the count of distinct ids),
-        stalling the host at every micro-batch while the previous one's backward is still queued."""
-        if not rows:  # an empty micro-batch still takes part in every collective: one dummy sequence
-            ids, positions, cu = torch.zeros(2, dtype=torch.long), torch.arange(2), [0, 2]
-        else:
-            ids = torch.cat([batch.input_ids[b] for b in rows])
-            positions = torch.cat([torch.arange(len(batch.input_ids[b])) for b in rows])
-            cu = [0]
-            for b in rows:
-                cu.append(cu[-1] + len(batch.input_ids[b]))
-        id_index = None
-        if embedding_rows:
-            id_index = tuple(t.to(self.device) for t in torch.unique(ids, sorted=True, return_inverse=True))
-        ids, positions = ids.to(self.device), positions.to(self.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
-        attn = PackedAttention(cu, fused=self.fused, exact=self.exact, scale=self.config.head_dim ** -0.5)
-        return ids, cos, sin, attn, cu, id_index
-
-    def _forward_layers(self, ids, cos, sin, attn, keep_inputs: bool):
-        """Embedding and every layer without autograd; returns (final residual stream, layer inputs)."""
-        embed_u = self.units["embed"]
-        natural = self.sharded.gather_unit(embed_u)
-        x = F.embedding(ids, self.layout.natural_view(natural, "model.embed_tokens.weight"))
-        inputs = []
-        for i in range(self.config.num_hidden_layers):
-            u = self.units[f"layers.{i}"]
-            self.sharded.prefetch_unit(u + 1)
-            natural = self.sharded.gather_unit(u)
-            if keep_inputs:
-                inputs.append(x)
-            x, _ = self._layer(i, natural, x, cos, sin, attn, grad=False)
-        return x, inputs
-
-    def _forward_layers_with_graphs(self, ids, cos, sin, attn):
-        """Embedding without autograd, then every layer with autograd on its own detached input
-        (backward runs layer by layer); the parameters' storage is released after each layer's
-        forward (`ReleasedParams`). Returns (final residual stream, [(input, output, slots)] per layer)."""
-        embed_u = self.units["embed"]
-        with torch.no_grad():
-            x = F.embedding(ids, self.layout.natural_view(self.sharded.gather_unit(embed_u), "model.embed_tokens.weight"))
-        graphs = []
-        for i in range(self.config.num_hidden_layers):
-            u = self.units[f"layers.{i}"]
-            self.sharded.prefetch_unit(u + 1)
-            natural = self.sharded.gather_unit(u)
-            xi = x.detach().requires_grad_(True)
-            slots = ReleasedParams(self._layer_params(i, natural, grad=True), natural, self.layout,
-                                    f"model.layers.{i}.")
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(slots.pack, slots.unpack):
-                out = functional_call(self.skeleton.model.layers[i], slots.params, (xi, cos, sin, attn, i))
-            slots.release()
-            graphs.append((xi, out, slots))
-            x = out.detach()
-        return x, graphs
-
-    def _head_weights(self):
-        natural = self.sharded.gather_unit(self.units["head"])
-        norm_w = self.layout.natural_view(natural, "model.norm.weight")
-        if self.tied:
-            head_w = self.layout.natural_view(self.sharded.gather_unit(self.units["embed"]), self.head_name)
-        else:
-            head_w = self.layout.natural_view(natural, self.head_name)
-        return norm_w, head_w
 
     @staticmethod
     def _unpack(packed: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -333,11 +233,11 @@ class Trainer:
         cu_seqlens). An empty micro-batch (this rank ran out while others did not) still runs its
         gathers and collectives and yields nothing."""
         for rows in plan_micro_batches(batch.lengths, micro_batch_tokens, self.sharded.group):
-            ids, cos, sin, attn, cu, _ = self._pack_inputs(batch, rows)
-            x, _ = self._forward_layers(ids, cos, sin, attn, keep_inputs=False)
-            norm_w, head_w = self._head_weights()
+            ids, cos, sin, attn, cu, _ = self.model.pack_inputs(batch, rows)
+            x, _ = self.model.forward_layers(ids, cos, sin, attn, keep_inputs=False)
+            norm_w, head_w = self.model.head_weights()
             if rows:
-                yield rows, self._norm(norm_w, x), head_w, cu
+                yield rows, self.model.norm(norm_w, x), head_w, cu
 
     @torch.no_grad()
     def log_probs(self, batch: PPOBatch, *, temperature: float = 1.0, micro_batch_tokens: int = 16384,
@@ -514,15 +414,11 @@ class Trainer:
     def _step(self, batch: PPOBatch, cfg, head_loss, *, counts: dict | None = None, op: str | None = None) -> dict:
         t0 = time.perf_counter()
         self.sharded.clear_prefetch()
-        self._finish_reduces()  # one left in flight by a step that raised: its shard is rewritten below
+        self._grad_shards.finish()  # one left in flight by a step that raised: its shard is rewritten below
         # The last rollout's generation pages go back to the driver on a host thread (switch_to_training);
         # the step's allocations must not race that release for memory. Usually long done by now.
         self.sharded.wait_released()
-        # No zeroing pass: a unit's first reduce-scatter of the step writes its shard (allocated then, kept
-        # ones reused), later ones add.
-        self._fresh = set(range(len(self.layout.units)))
-        if self._grads is None:
-            self._grads = [None] * len(self.layout.units)
+        self._grad_shards.begin()  # no zeroing pass: each unit's first reduce-scatter writes its shard
         groups = plan_micro_batches(batch.lengths, cfg.micro_batch_tokens, self.sharded.group, batch.groups)
         share, scale = self._loss_weights(batch, groups, cfg, counts)
         totals: dict[str, float] = {}
@@ -531,14 +427,13 @@ class Trainer:
                 stats = self._micro_step(batch, rows, c, head_loss, cfg.activation_checkpointing)
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + w * v
-            for u in self._fresh:  # a unit no micro-batch reduced: zero gradient
-                self._grads[u] = self._new_grad(u).zero_()
+            self._grad_shards.zero_unreduced()
             grad_norm = self._clip_and_step(cfg)
         except BaseException as err:
-            self._drop_grads(wait=isinstance(err, LossFnError))
+            self._grad_shards.drop(wait=isinstance(err, LossFnError))
             raise
         if not self.keep_grads:
-            self._grads = None  # back to the allocator's cache: the next forward's activations reuse it
+            self._grad_shards.release()
         opt = self._optimizer
         step = opt.num_steps if opt is not None else 0
         skipped = not math.isfinite(grad_norm)
@@ -557,18 +452,6 @@ class Trainer:
                 raise FloatingPointError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return totals
-
-    def _drop_grads(self, wait: bool) -> None:
-        """A step failed: let go of its partial gradients (up to 4 B per parameter of the shard), so the
-        memory it took (an out-of-memory step's, say) is free again. `wait`: finish the reduce-scatter in
-        flight first (a failure every rank raises alike, `LossFnError`); otherwise a peer may never join
-        it, and the reference is dropped (the work keeps its buffers until it ends)."""
-        try:
-            if wait:
-                self._finish_reduces()
-        finally:
-            self._pending = None
-            self._grads, self._fresh = None, set()
 
     def _loss_weights(self, batch: PPOBatch, groups: list[list[int]], cfg, counts: dict | None
                       ) -> tuple[list[float], list[float]]:
@@ -595,41 +478,42 @@ class Trainer:
         return share, [w / self.sharded.world_size for w in share]
 
     def _micro_step(self, batch: PPOBatch, rows: list[int], weight: float, head_loss, recompute: bool) -> dict:
-        ids, cos, sin, attn, cu, id_index = self._pack_inputs(batch, rows, embedding_rows=True)
+        model = self.model
+        ids, cos, sin, attn, cu, id_index = model.pack_inputs(batch, rows, embedding_rows=True)
         graphs = None
         if recompute:
             with torch.no_grad():
-                x_last, inputs = self._forward_layers(ids, cos, sin, attn, keep_inputs=True)
+                x_last, inputs = model.forward_layers(ids, cos, sin, attn, keep_inputs=True)
         else:
-            x_last, graphs = self._forward_layers_with_graphs(ids, cos, sin, attn)
+            x_last, graphs = model.forward_layers_with_graphs(ids, cos, sin, attn)
         # Head: recompute with autograd from the final residual stream.
-        head_u, embed_u = self.units["head"], self.units["embed"]
+        head_u, embed_u = model.units["head"], model.units["embed"]
         natural_head = self.sharded.gather_unit(head_u)
         norm_w = self.layout.natural_view(natural_head, "model.norm.weight").detach().requires_grad_(True)
-        head_src = self.sharded.gather_unit(embed_u) if self.tied else natural_head
-        head_w = self.layout.natural_view(head_src, self.head_name).detach().requires_grad_(True)
+        head_src = self.sharded.gather_unit(embed_u) if model.tied else natural_head
+        head_w = self.layout.natural_view(head_src, model.head_name).detach().requires_grad_(True)
         x = x_last.detach().requires_grad_(True)
-        loss, metrics = head_loss(self._norm(norm_w, x), head_w, rows, cu)
+        loss, metrics = head_loss(model.norm(norm_w, x), head_w, rows, cu)
         (loss * weight).backward()  # weight: the micro-batch's coefficient in the step's loss (`_loss_weights`)
         grad_x = x.grad
         # The head's gradients are reduced after the layers' backward, not now: now every layer's
         # activations are alive, and the reduce's fp32 unit buffers (2 x V x H x 4 bytes with the
         # shard: 3.3 GB for 7B) would stack on them; held, the bf16 gradient costs V x H x 2.
         head_grads = {"model.norm.weight": norm_w.grad}
-        tied_head_grad = head_w.grad if self.tied else None  # goes out with the embedding's rows
-        if not self.tied:
-            head_grads[self.head_name] = head_w.grad
+        tied_head_grad = head_w.grad if model.tied else None  # goes out with the embedding's rows
+        if not model.tied:
+            head_grads[model.head_name] = head_w.grad
         del head_w
         # Layers in reverse: gather again, recompute with autograd, backpropagate, reduce-scatter.
         for i in reversed(range(self.config.num_hidden_layers)):
-            u = self.units[f"layers.{i}"]
+            u = model.units[f"layers.{i}"]
             if i > 0:
                 self.sharded.prefetch_unit(u - 1)
             natural = self.sharded.gather_unit(u)
             if graphs is None:
                 xi = inputs[i].detach().requires_grad_(True)
                 with torch.enable_grad():
-                    out, params = self._layer(i, natural, xi, cos, sin, attn, grad=True)
+                    out, params = model.layer(i, natural, xi, cos, sin, attn, grad=True)
                 inputs[i] = None
             else:
                 xi, out, slots = graphs[i]
@@ -644,14 +528,14 @@ class Trainer:
         del head_grads
         # Embedding: the input gradient rows summed per token id, straight into the unit's natural fp32
         # gradient (tied: on top of the LM head's share, one reduce-scatter for both).
-        natural = self._natural_grad(embed_u)
+        natural = self._grad_shards.natural(embed_u)
         embed_grad = self.layout.natural_view(natural, "model.embed_tokens.weight")
         if tied_head_grad is not None:
             embed_grad.copy_(tied_head_grad)
             del tied_head_grad
         add_embedding_grad_(embed_grad, *id_index, grad_x)
         self._reduce(embed_u, natural=natural)
-        self._finish_reduces()
+        self._grad_shards.finish()
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
     @torch.no_grad()
@@ -669,64 +553,16 @@ class Trainer:
                 out[b, :n] = v[i, :n].float()
         return out
 
-    def _natural_grad(self, u: int) -> torch.Tensor:
-        """A zeroed fp32 natural-layout gradient buffer of unit u (write with `natural_view`)."""
-        unit = self.layout.units[u]
-        return torch.zeros(unit.numel if self.layout.tp_size == 1 else unit.natural_numel, dtype=torch.float32,
-                           device=self.device)
-
-    def _reduce(self, u: int, grads: dict[str, torch.Tensor] | None = None, natural: torch.Tensor | None = None) -> None:
-        """Natural-layout fp32 gradients of unit u (by name, or an already filled `_natural_grad` buffer)
-        -> summed over ranks into this rank's grad shard (written by the step's first, added after)."""
-        # Asynchronous: the reduce-scatter of this unit runs while the next unit's backward computes (the
-        # NCCL stream waits for the gradients queued so far); `_finish_reduces` waits before the result
-        # is used. One in flight, waited here first (its backward overlap is done), so its buffer is free
-        # before this unit's is filled.
-        self._finish_reduces()
-        unit = self.layout.units[u]
-        if natural is None:
-            natural = self._natural_grad(u)
-            for name, g in grads.items():
-                if g is not None:
-                    self.layout.natural_view(natural, name).copy_(g)
-        if u in self._fresh:  # the step's first gradient of this unit: straight into the shard
-            if self._grads[u] is None:
-                self._grads[u] = self._new_grad(u)
-            work = self.sharded.reduce_scatter_grad(u, natural, self._grads[u], async_op=True)
-            self._fresh.discard(u)
-            self._pending = (work, natural, None, u)
-            return
-        out = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
-        work = self.sharded.reduce_scatter_grad(u, natural, out, async_op=True)
-        self._pending = (work, natural, out, u)
-
-    def _finish_reduces(self) -> None:
-        """Wait for the reduce-scatter in flight and add its result where it accumulates."""
-        if self._pending is None:
-            return
-        work, _natural, out, u = self._pending
-        self._pending = None
-        if work is not None:
-            work.wait()
-        if out is not None:
-            self._grads[u] += out
+    def _reduce(self, u: int, grads: dict[str, torch.Tensor] | None = None,
+                natural: torch.Tensor | None = None) -> None:
+        """Unit u's natural-layout fp32 gradients (by name, or a filled `GradShards.natural` buffer) into this
+        rank's grad shard, by an asynchronous reduce-scatter (`GradShards.reduce`)."""
+        self._grad_shards.reduce(u, grads, natural)
 
     def _clip_and_step(self, cfg: PPOConfig | ValueConfig) -> float:
         """The global gradient norm; when it is finite, the clipped AdamW step (none otherwise)."""
-        # Replicated parameters have one copy per TP slice, each in some rank's shard: count 1/tg of each.
-        tg = self.layout.tp_size
-        # Sum of squares in one pass over each shard (fp32 norm, as torch's clip_grad_norm_), minus the
-        # surplus of the replicated copies: (1 - 1/tg) of their squares. No fp64 copy of the gradients.
-        norms = [torch.linalg.vector_norm(g).double() for g in self.grads]
-        sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=self.device)
-        if tg > 1:
-            for g, index in zip(self.grads, self._replicated_index):
-                if index.numel():
-                    sq = sq - (1 - 1 / tg) * torch.linalg.vector_norm(g[index]).double().square()
-        if not self.sharded.local and self.sharded.world_size > 1:
-            dist.all_reduce(sq, group=self.sharded.group)
-        norm = math.sqrt(max(float(sq), 0.0))  # NaN stays NaN
-        if not math.isfinite(norm):  # the same on every rank (sq is all-reduced): no rank updates
+        norm = self._grad_shards.norm()
+        if not math.isfinite(norm):  # the same on every rank (the norm is all-reduced): no rank updates
             return norm
         scale = 1.0
         if cfg.max_grad_norm is not None and norm > cfg.max_grad_norm:
@@ -743,18 +579,3 @@ def _describe_loss(x) -> str:
     if isinstance(x, tuple):
         return f"a tuple of {len(x)}: ({', '.join(_describe_loss(v) for v in x)})"
     return f"{type(x).__name__} {x!r}"[:200]
-
-
-def add_embedding_grad_(embed_grad: torch.Tensor, distinct: torch.Tensor, inverse: torch.Tensor,
-                        grad_x: torch.Tensor) -> None:
-    """embed_grad[v] += the sum of grad_x's rows at the tokens with id v, in the same order on every run
-    and device: the micro-batch's `distinct` ids (sorted) and each token's index among them
-    (`torch.unique(ids, sorted=True, return_inverse=True)`).
-
-    `index_add_` over the tokens would be nondeterministic on CUDA (atomics: the rows of a repeated id
-    add in a varying order), so a step would not repeat bit for bit and a resumed run would drift from
-    an uninterrupted one. Here the embedding backward sums each id's rows into a compact [distinct
-    ids, H] tensor (sorted segments, no atomics on CUDA; in token order on the CPU), and each distinct
-    row is added once. Extra work: the sort of the micro-batch's ids and a [distinct ids, H] buffer."""
-    rows = torch.ops.aten.embedding_dense_backward(grad_x.float(), inverse, distinct.numel(), -1, False)
-    embed_grad.index_add_(0, distinct, rows)  # distinct indices: one add per element, no order to vary

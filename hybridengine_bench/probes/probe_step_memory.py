@@ -21,12 +21,13 @@ not (docs/memory.md).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 import torch
 
 GIB = 2**30
-MARKS = (("trainer", "Trainer", "_forward_layers_with_graphs", "forward"),
+MARKS = (("gathered_model", "GatheredModel", "forward_layers_with_graphs", "forward"),
          ("trainer", "Trainer", "_micro_step", "micro_batch"),
          ("trainer", "Trainer", "_clip_and_step", "optimizer_step"))
 """(module, class, method, label): the step's phases whose ends are marked."""
@@ -49,8 +50,8 @@ class _Marks:
         self.trace: list[tuple[str, float, float]] = []
         self.reduce_peak = 0.0
         self._saved = []
-        for _, cls_name, method, label in MARKS:
-            self._wrap(getattr(trainer, cls_name), method, label)
+        for module, cls_name, method, label in MARKS:
+            self._wrap(getattr(importlib.import_module(f"hybridengine.train.{module}"), cls_name), method, label)
         cls = trainer.Trainer
         real_reduce = cls._reduce
 
