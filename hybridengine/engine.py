@@ -45,7 +45,7 @@ from hybridengine.model.decoder import CausalLM
 from hybridengine.model.loading import hf_config_dict, load_model
 from hybridengine.model.tensor_parallel import local_config, make_all_reduce, parallelize
 from hybridengine.rollout import generator
-from hybridengine.rollout.kv_cache import allocate_kv_cache
+from hybridengine.rollout.kv_cache import allocate_kv_cache, cuda_budget
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
 from hybridengine.rollout.requests import RolloutSession
 from hybridengine.rollout.runner import ModelRunner
@@ -109,8 +109,9 @@ class HybridEngine:
         self._training = None
         self.stats: dict[str, float] = {"prefix_cache_hit_tokens": 0}
         # EngineConfig.offload: when the optimizer state leaves the device for a rollout and comes back
-        self._offload = OffloadPolicy(config, self.model.config, device, trainer=lambda: self._training,
-                                      stats=self.stats, tp_generation=self._tp is not None)
+        self._offload = OffloadPolicy(config, device, trainer=lambda: self._training, stats=self.stats,
+                                      tp_generation=self._tp is not None,
+                                      kv_budget=functools.partial(cuda_budget, config, self.model.config, device))
 
     def _build(self, source) -> CausalLM:
         """Load the source into a ShardedBuffer and return the model over its generation view: under TP

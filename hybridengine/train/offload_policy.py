@@ -29,13 +29,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridengine.rollout.kv_cache import cuda_budget
 from hybridengine.sharding.generation_memory import vmm_status
 from hybridengine.train.offload import OffloadError
 
 if TYPE_CHECKING:
     from hybridengine.config import EngineConfig
-    from hybridengine.model.config import ModelConfig
     from hybridengine.train.trainer import Trainer
 
 
@@ -52,12 +50,13 @@ class OffloadPolicy:
     """EngineConfig.offload for one engine. `trainer`: the engine's Trainer, or None before the first training
     call (its optimizer, and with it the state, can appear and be replaced between calls). `config.offload`
     is read at each call. `tp_generation`: generation is tensor-parallel (the ranks' caches must stay alike,
-    so none grows)."""
+    so none grows). `kv_budget`: the bytes the KV cache may take on the CUDA device now (the rollout's
+    `cuda_budget`: train/ does not import rollout/)."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, *,
-                 trainer: Callable[[], Trainer | None], stats: dict[str, float], tp_generation: bool):
-        self.config, self.model_config, self.device = config, model_config, device
-        self.trainer, self.stats, self.tp_generation = trainer, stats, tp_generation
+    def __init__(self, config: EngineConfig, device: torch.device, *, trainer: Callable[[], Trainer | None],
+                 stats: dict[str, float], tp_generation: bool, kv_budget: Callable[[], int]):
+        self.config, self.device = config, device
+        self.trainer, self.stats, self.tp_generation, self.kv_budget = trainer, stats, tp_generation, kv_budget
         self._growth: _Growth | None = None
 
     def has_state(self) -> bool:
@@ -125,7 +124,7 @@ class OffloadPolicy:
         self._join()  # the state's device memory goes back to torch's allocator ...
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # ... and to the driver, for the cache to map
-            budget = cuda_budget(self.config, self.model_config, self.device)
+            budget = self.kv_budget()
         else:  # (tests) off CUDA the cache holds its whole capacity from the start
             budget = g.kv.capacity_bytes()
         g.kv.grow_to(g.kv.num_blocks + max(budget, 0) // g.per_block)
