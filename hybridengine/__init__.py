@@ -10,7 +10,10 @@ from hybridengine.config import EngineConfig
 from hybridengine.engine import HybridEngine
 from hybridengine.faults import CollectiveError
 from hybridengine.model import MODEL_CONFIGS, CausalLM, ModelConfig, RopeConfig, load_model, model_config
-from hybridengine.ops.ppo_loss import masked_logprobs, ppo_loss, token_logprobs, value_loss
+from hybridengine.ops.masked_logprobs import masked_logprobs
+from hybridengine.ops.ppo_loss import ppo_loss
+from hybridengine.ops.token_logprobs import token_logprobs
+from hybridengine.ops.value_loss import value_loss
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.sharding.buffer import FlatParamBuffer

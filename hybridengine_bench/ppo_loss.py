@@ -53,7 +53,8 @@ def _module():
 
 def make_inputs(ctx: Ctx, tokens: int, hidden_size: int, vocab: int, seq: int, seed: int = 0) -> dict:
     """Random bf16 head and hidden states; old/ref log-probs near the policy's own (ratios near 1, some clipped)."""
-    P = _module()
+    from hybridengine.ops.token_logprobs import token_logprobs
+
     g = torch.Generator(device=ctx.device).manual_seed(seed)
     num_seqs = tokens // seq
 
@@ -64,7 +65,7 @@ def make_inputs(ctx: Ctx, tokens: int, hidden_size: int, vocab: int, seq: int, s
     weight = randn(vocab, hidden_size, dtype=torch.bfloat16).mul_(2 / math.sqrt(hidden_size)).requires_grad_()
     targets = torch.randint(0, vocab, (num_seqs, seq), generator=g, device=ctx.device)
     with torch.no_grad():
-        logp = P.token_logprobs(hidden, weight, targets)
+        logp = token_logprobs(hidden, weight, targets)
     return dict(hidden=hidden, weight=weight, targets=targets, old=logp + 0.1 * randn(num_seqs, seq),
                 ref=logp + 0.1 * randn(num_seqs, seq), adv=randn(num_seqs, 1).expand(num_seqs, seq).contiguous(),
                 mask=torch.ones(num_seqs, seq, dtype=torch.bool, device=ctx.device))
@@ -76,12 +77,14 @@ def _clear_grads(x: dict) -> None:
 
 
 def step_hybridengine(x: dict, chunk_rows: int | None = None):
+    from hybridengine.ops.policy_loss import LossConfig
+
     P = _module()
     if chunk_rows is None:
         loss, _ = P.ppo_loss(x["hidden"], x["weight"], x["targets"], x["old"], x["adv"], x["mask"],
                              ref_logprobs=x["ref"], **LOSS)
     else:  # the same path with a forced chunk size (inputs validated once, outside the timing)
-        cfg = P.LossConfig(**{k: v for k, v in LOSS.items()})
+        cfg = LossConfig(**{k: v for k, v in LOSS.items()})
         mask_bool, num = P._check_policy(BENCH, x["hidden"], x["weight"], None, x["targets"], x["old"], x["adv"],
                                          x["mask"], x["ref"], 1.0, cfg)
         loss, _ = P._ppo_loss_fused(x["hidden"], x["weight"], x["targets"], x["old"], x["adv"], mask_bool, num,
@@ -99,14 +102,17 @@ def step_torch_ref(x: dict):
 
 def _sequence_loss(hidden, weight, targets, old, adv, ref, weights):
     """One sequence's share of the token-mean loss, from its full [T, V] logits (checkpointed)."""
-    P = _module()
-    logp, _ = P._logprobs_ref(hidden, weight, targets, None, 1.0)
-    terms = P._policy_terms(logp, old, adv, ref, P.LossConfig(**LOSS))
+    from hybridengine.ops import lm_head, policy_loss
+
+    logp, _ = lm_head.logprobs_ref(hidden, weight, targets, None, 1.0)
+    terms = policy_loss.policy_terms(logp, old, adv, ref, policy_loss.LossConfig(**LOSS))
     return (weights * (terms["pg"] + LOSS["kl_coef"] * terms["kl"])).sum()
 
 
 def step_torch_chunked(x: dict):
-    weights = _module()._agg_weights(x["mask"], LOSS["loss_agg"], torch.float32)
+    from hybridengine.ops.policy_loss import agg_weights
+
+    weights = agg_weights(x["mask"], LOSS["loss_agg"], torch.float32)
     loss = sum(checkpoint(_sequence_loss, x["hidden"][b], x["weight"], x["targets"][b], x["old"][b], x["adv"][b],
                           x["ref"][b], weights[b], use_reentrant=False) for b in range(x["hidden"].shape[0]))
     loss.backward()
@@ -166,7 +172,8 @@ def measure(ctx: Ctx, provider: str, step, x: dict, case: dict, flops: float, mo
 
 
 def ppo_loss(ctx: Ctx) -> None:
-    P = _module()
+    from hybridengine.ops.lm_head import rows_per_chunk
+
     head = GPU_HEAD if ctx.cuda else CPU_HEAD
     H, V = head["hidden"], head["vocab"]
     seq = SEQ_GPU if ctx.cuda else SEQ_CPU
@@ -180,7 +187,7 @@ def ppo_loss(ctx: Ctx) -> None:
         x = make_inputs(ctx, tokens, H, V, seq)
         flops = 6.0 * tokens * H * V
         grads = (tokens * H + V * H) * 2
-        chunk = P._chunk_rows(tokens, V, 2, grads)
+        chunk = rows_per_chunk(tokens, V, 2, grads)
         case = dict(tokens=tokens, seq=seq, hidden=H, vocab=V, dtype="bf16", grads_GiB=round(grads / GiB, 3))
         medians = {}
         he_path = "triton" if ctx.cuda else "reference (cpu)"

@@ -48,7 +48,7 @@ gradient); a provider that cannot fit is a not_run row."""
 
 
 def _ops():
-    return importlib.import_module("hybridengine.ops.ppo_loss")  # the module (the package exports the op's name)
+    return importlib.import_module("hybridengine.ops.masked_logprobs")  # the module (the package exports the op's name)
 
 
 def _full_logits(hidden, weight, targets, mask, *, temperature=1.0, exact=False, bias=None):
@@ -141,7 +141,6 @@ def head_level(ctx: Ctx, model: str) -> None:
     import hybridengine as he
     from hybridengine.train import losses
 
-    P = _ops()
     cfg = he.model_config(model)
     H, V = cfg.hidden_size, cfg.vocab_size
     seq = ctx.work.train_seq
@@ -153,13 +152,13 @@ def head_level(ctx: Ctx, model: str) -> None:
         targets = torch.randint(0, V, (B, seq), generator=g, device=ctx.device)
         mask = torch.ones(B, seq, dtype=torch.bool, device=ctx.device)
         with torch.no_grad():
-            logp = P.token_logprobs(hidden, weight, targets)
+            logp = he.token_logprobs(hidden, weight, targets)
         fields = losses.LossFields(mask=mask, old_logprobs=logp + 0.1 * torch.randn(B, seq, generator=g,
                                                                                    device=ctx.device),
                                    advantages=torch.randn(B, 1, generator=g, device=ctx.device).expand(B, seq))
 
         def fused():
-            loss, _ = P.ppo_loss(hidden, weight, targets, fields["old_logprobs"], fields["advantages"], mask, **PPO)
+            loss, _ = he.ppo_loss(hidden, weight, targets, fields["old_logprobs"], fields["advantages"], mask, **PPO)
             loss.backward()
 
         def hook(op):
@@ -169,7 +168,7 @@ def head_level(ctx: Ctx, model: str) -> None:
 
         case = dict(level="head", tokens=tokens, seq=seq, hidden=H, vocab=V, dtype="bf16")
         flops = 6.0 * tokens * H * V
-        providers = {"ppo_loss": fused, "hook": lambda: hook(P.masked_logprobs),
+        providers = {"ppo_loss": fused, "hook": lambda: hook(he.masked_logprobs),
                      "torch_full": lambda: hook(_full_logits)}
         for name, fn in providers.items():
             if name == "torch_full":

@@ -375,7 +375,9 @@ def test_gspo_caps_the_sequence_log_ratio_at_10():
 # ---------------------------------------------------------------------------------------------------------
 # the op under the hook: `masked_logprobs`, its fused path (Triton kernels under TRITON_INTERPRET=1 on CPU)
 
-from test_ppo_loss import P, block_v, interpreter, make_batch  # noqa: E402
+from hybridengine.ops import masked_logprobs as ML  # noqa: E402
+from hybridengine.ops import token_logprobs as TL  # noqa: E402
+from test_ppo_loss import block_v, interpreter, make_batch  # noqa: E402
 from test_ppo_loss import assert_close_to_truth as assert_op_close  # noqa: E402
 
 
@@ -402,11 +404,11 @@ def test_masked_logprobs_fused_matches_fp64(dtype, V, bias, temperature, chunk_r
         return logp.detach() * m, ent.detach() * m, {k: v.grad for k, v in leaves.items()}
 
     def fused(h, w, t, *, bias, temperature):
-        return P._masked_logprobs_fused(h, w, t, mask, int(mask.sum()), bias=bias, temperature=temperature,
+        return ML._masked_logprobs_fused(h, w, t, mask, int(mask.sum()), bias=bias, temperature=temperature,
                                         chunk_rows=chunk_rows, block_v=block_v(V))
 
     def reference(h, w, t, *, bias, temperature):
-        return P.masked_logprobs(h, w, t, mask, bias=bias, temperature=temperature)
+        return ML.masked_logprobs(h, w, t, mask, bias=bias, temperature=temperature)
 
     truth = run(formulas.token_logprobs, lambda x: x.double())
     same = run(formulas.token_logprobs, lambda x: x)
@@ -429,10 +431,10 @@ def test_masked_logprobs_exact_is_token_logprobs_exact():
     batch = make_batch(dtype=torch.bfloat16, V=1000, B=3, T=7)
     mask = batch["mask"]
     h = batch["hidden"].clone().requires_grad_()
-    want = P._token_logprobs_fused(batch["hidden"], batch["weight"], batch["targets"], bias=None, temperature=0.7,
+    want = TL._token_logprobs_fused(batch["hidden"], batch["weight"], batch["targets"], bias=None, temperature=0.7,
                                    exact=True)[0]
     for chunk_rows in (4, None):
-        logp, _ = P._masked_logprobs_fused(h, batch["weight"], batch["targets"], mask, int(mask.sum()), bias=None,
+        logp, _ = ML._masked_logprobs_fused(h, batch["weight"], batch["targets"], mask, int(mask.sum()), bias=None,
                                            temperature=0.7, exact=True, chunk_rows=chunk_rows)
         assert torch.equal(logp[mask], want[mask])
         logp.sum().backward()

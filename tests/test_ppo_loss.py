@@ -1,4 +1,5 @@
-"""The fused PPO loss (`hybridengine.ops.ppo_loss`): kernels, references, autograd, validation.
+"""The fused PPO loss (`hybridengine.ops.ppo_loss`, with `ops.policy_loss` and `ops.lm_head`), `token_logprobs`
+and `value_loss`: kernels, references, autograd, validation.
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (conftest) through the private fused entry
 points on tiny shapes, with chunk sizes small enough that every run crosses a partial chunk and a
@@ -18,7 +19,6 @@ float64 truth within the rounding of two float64 evaluations.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import subprocess
@@ -29,8 +29,11 @@ import pytest
 import torch
 
 import _formulas as formulas
-
-P = importlib.import_module("hybridengine.ops.ppo_loss")  # the module: `hybridengine.ops.ppo_loss` is also the op's name
+from hybridengine.ops import lm_head as LH
+from hybridengine.ops import policy_loss as PL
+from hybridengine.ops import ppo_loss as P
+from hybridengine.ops import token_logprobs as TL
+from hybridengine.ops import value_loss as VL
 
 K_SAME_DTYPE = 2.0
 """Error <= K x the float32 formulas' error (see module docstring). Measured on CPU: the ratio is
@@ -112,7 +115,7 @@ def fused_policy(hidden, weight, targets, old, adv, mask, *, bias=None, temperat
                  rollout_logprobs=None, exact=False, chunk_rows=CHUNK, **cfg_kw):
     """The Triton path, forced on CPU (the public op dispatches CPU tensors to the reference). exact: the
     vocabulary block is the default one (from V alone), as `chosen_logprobs` takes it."""
-    cfg = P.LossConfig(**cfg_kw)
+    cfg = PL.LossConfig(**cfg_kw)
     mask_bool, num_tokens = P._check_policy("test", hidden, weight, bias, targets, old, adv, mask, ref_logprobs,
                                             temperature, cfg, rollout_logprobs)
     return P._ppo_loss_fused(hidden, weight, targets, old, adv, mask_bool, num_tokens, bias=bias,
@@ -161,8 +164,8 @@ def check_against_truth(batch, *, fused=fused_policy, **loss_kw):
     for label, fn in (("reference", P.ppo_loss_ref), ("fused", fused)):
         got = results[label] = run_policy(fn, batch, **kw)
         assert_close_to_truth(f"{label} loss", got[0], same[0], truth[0])
-        assert set(got[1]) == set(P.METRICS) == set(truth[1]) | set(ROLLOUT_METRICS)
-        for name in P.METRICS:
+        assert set(got[1]) == set(PL.METRICS) == set(truth[1]) | set(ROLLOUT_METRICS)
+        for name in PL.METRICS:
             assert got[1][name].shape == () and not got[1][name].requires_grad
         for name in truth[1]:
             assert_close_to_truth(f"{label} {name}", got[1][name], same[1][name], truth[1][name])
@@ -270,8 +273,8 @@ def test_reference_gradcheck_fp64():
         assert torch.autograd.gradcheck(loss, leaves)
 
 
-@pytest.mark.parametrize("estimator", P.KL_ESTIMATORS)
-@pytest.mark.parametrize("loss_agg", P.LOSS_AGGS)
+@pytest.mark.parametrize("estimator", PL.KL_ESTIMATORS)
+@pytest.mark.parametrize("loss_agg", PL.LOSS_AGGS)
 @pytest.mark.parametrize("clip_ratio_c", [None, 3.0])
 def test_grad_coefficients_match_autograd(estimator, loss_agg, clip_ratio_c):
     """The hand-written dloss/dlogp equals torch autograd of the same expressions, ties included."""
@@ -287,25 +290,25 @@ def test_grad_coefficients_match_autograd(estimator, loss_agg, clip_ratio_c):
     mask = torch.rand(B, T) > 0.2
     mask[3] = False
     old[3] = float("nan")  # masked-out garbage must not leak
-    cfg = P.LossConfig(clip_low=0.1, clip_high=0.28, clip_ratio_c=clip_ratio_c, kl_coef=0.7, kl_estimator=estimator,
+    cfg = PL.LossConfig(clip_low=0.1, clip_high=0.28, clip_ratio_c=clip_ratio_c, kl_coef=0.7, kl_estimator=estimator,
                         entropy_coef=0.0, loss_agg=loss_agg)
     lp = logp.clone().requires_grad_()
-    loss, _ = P._policy_loss(lp, torch.zeros_like(lp), old, adv, mask, ref, cfg)
+    loss, _ = PL.policy_loss(lp, torch.zeros_like(lp), old, adv, mask, ref, cfg)
     (expected,) = torch.autograd.grad(loss, lp)
-    got = P._policy_grad_logp(logp, old, adv, ref, P._agg_weights(mask, loss_agg, torch.float64), cfg)
+    got = PL.policy_grad_logp(logp, old, adv, ref, PL.agg_weights(mask, loss_agg, torch.float64), cfg)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
 
 
 def test_aggregations_by_hand():
     L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]]).bool()
-    assert P._aggregate(L, mask, "token-mean").item() == pytest.approx((1 + 2 + 7 + 8 + 9) / 5)
-    assert P._aggregate(L, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 8) / 2)
-    assert P._aggregate(L, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 24) / 2)
-    for agg in P.LOSS_AGGS:
-        assert P._aggregate(L, torch.zeros_like(mask), agg).item() == 0
-        assert (P._agg_weights(mask, agg, torch.float32) * L).sum().item() == pytest.approx(
-            P._aggregate(L, mask, agg).item())
+    assert PL.aggregate(L, mask, "token-mean").item() == pytest.approx((1 + 2 + 7 + 8 + 9) / 5)
+    assert PL.aggregate(L, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 8) / 2)
+    assert PL.aggregate(L, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 24) / 2)
+    for agg in PL.LOSS_AGGS:
+        assert PL.aggregate(L, torch.zeros_like(mask), agg).item() == 0
+        assert (PL.agg_weights(mask, agg, torch.float32) * L).sum().item() == pytest.approx(
+            PL.aggregate(L, mask, agg).item())
 
 
 def test_formulas_by_hand():
@@ -343,8 +346,8 @@ def test_formulas_by_hand():
     assert formulas.aggregate(L, torch.zeros_like(mask), "seq-mean-token-mean").item() == 0
 
 
-@pytest.mark.parametrize("loss_agg", P.LOSS_AGGS)
-@pytest.mark.parametrize("estimator", P.KL_ESTIMATORS)
+@pytest.mark.parametrize("loss_agg", PL.LOSS_AGGS)
+@pytest.mark.parametrize("estimator", PL.KL_ESTIMATORS)
 @pytest.mark.parametrize("clip_ratio_c", [None, 3.0])
 @pytest.mark.parametrize("clip_low,clip_high", CLIPS)
 def test_reference_fp64_matches_formulas(clip_low, clip_high, clip_ratio_c, estimator, loss_agg):
@@ -409,7 +412,7 @@ def test_all_masked_gives_zero_loss_and_grads():
     batch = make_batch(mask="none", bias=True)
     kw = dict(ref_logprobs=batch["ref"], kl_coef=0.1, entropy_coef=0.1, clip_ratio_c=3.0)
     for fn in (P.ppo_loss_ref, fused_policy):
-        for agg in P.LOSS_AGGS:
+        for agg in PL.LOSS_AGGS:
             loss, metrics, grads = run_policy(fn, batch, loss_agg=agg, **kw)
             assert loss.item() == 0 and all(v.item() == 0 for v in metrics.values()), (fn, agg)
             for name, g in grads.items():
@@ -502,12 +505,12 @@ def test_chunk_sizes_agree():
 
 
 def test_chunk_rows_policy():
-    assert P._chunk_rows(5, 152064, 2) == 5
+    assert LH.rows_per_chunk(5, 152064, 2) == 5
     for M in (3457, 8192, 32768, 131072):
-        c = P._chunk_rows(M, 152064, 2)
-        assert c * 152064 * 2 <= P.LOGITS_CHUNK_BYTES and c % P.CHUNK_ALIGN == 0
+        c = LH.rows_per_chunk(M, 152064, 2)
+        assert c * 152064 * 2 <= LH.LOGITS_CHUNK_BYTES and c % LH.CHUNK_ALIGN == 0
         assert M - (math.ceil(M / c) - 1) * c >= c // 2  # the last chunk is not a sliver
-    assert P._chunk_rows(10**6, 10**7, 4) == P.CHUNK_ALIGN
+    assert LH.rows_per_chunk(10**6, 10**7, 4) == LH.CHUNK_ALIGN
 
 
 def test_chunk_rows_fit_the_memory_target():
@@ -516,11 +519,11 @@ def test_chunk_rows_fit_the_memory_target():
     H, V = 3584, 152064
     for M in (8192, 32768, 131072):
         grads = (M * H + V * H) * 2
-        c = P._chunk_rows(M, V, 2, grads)
-        assert c % P.CHUNK_ALIGN == 0 and c >= P.MIN_CHUNK_ROWS
-        assert grads + c * V * 2 + P.WORKSPACE_BYTES_PER_ROW * M <= P.LOSS_MEMORY_BYTES, M
-    assert P._chunk_rows(32768, V, 2, 0) > P._chunk_rows(32768, V, 2, (32768 * H + V * H) * 2)
-    assert P._chunk_rows(10**6, V, 2, 4 * P.LOSS_MEMORY_BYTES) == P.MIN_CHUNK_ROWS
+        c = LH.rows_per_chunk(M, V, 2, grads)
+        assert c % LH.CHUNK_ALIGN == 0 and c >= LH.MIN_CHUNK_ROWS
+        assert grads + c * V * 2 + LH.WORKSPACE_BYTES_PER_ROW * M <= LH.LOSS_MEMORY_BYTES, M
+    assert LH.rows_per_chunk(32768, V, 2, 0) > LH.rows_per_chunk(32768, V, 2, (32768 * H + V * H) * 2)
+    assert LH.rows_per_chunk(10**6, V, 2, 4 * LH.LOSS_MEMORY_BYTES) == LH.MIN_CHUNK_ROWS
 
 
 # --------------------------------------------------------------------------------------------
@@ -542,10 +545,10 @@ def test_token_logprobs_fused_matches_fp64(dtype, V, bias, temperature):
         ((logp * g_logp.to(logp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()).backward()
         return logp.detach(), ent.detach(), {k: v.grad for k, v in leaves.items()}
 
-    fused = lambda *a, **k: P._token_logprobs_fused(*a, chunk_rows=4, block_v=block_v(V), **k)  # noqa: E731
+    fused = lambda *a, **k: TL._token_logprobs_fused(*a, chunk_rows=4, block_v=block_v(V), **k)  # noqa: E731
     truth = run(formulas.token_logprobs, lambda x: x.double())
     same = run(formulas.token_logprobs, lambda x: x)
-    for label, fn in (("reference", lambda *a, **k: P.token_logprobs_ref(*a, return_entropy=True, **k)),
+    for label, fn in (("reference", lambda *a, **k: TL.token_logprobs_ref(*a, return_entropy=True, **k)),
                       ("fused", fused)):
         got = run(fn, lambda x: x)
         assert got[0].dtype == got[1].dtype == torch.float32
@@ -554,7 +557,7 @@ def test_token_logprobs_fused_matches_fp64(dtype, V, bias, temperature):
         for name in truth[2]:
             assert_close_to_truth(f"{label} grad {name}", got[2][name], same[2][name], truth[2][name])
     with torch.no_grad():
-        logp, ent = P._token_logprobs_fused(batch["hidden"], batch["weight"], batch["targets"], bias=batch["bias"],
+        logp, ent = TL._token_logprobs_fused(batch["hidden"], batch["weight"], batch["targets"], bias=batch["bias"],
                                             temperature=temperature, chunk_rows=3, block_v=block_v(V))
     torch.testing.assert_close(logp, got[0])
     torch.testing.assert_close(ent, got[1])
@@ -562,9 +565,9 @@ def test_token_logprobs_fused_matches_fp64(dtype, V, bias, temperature):
 
 def test_token_logprobs_public_on_cpu():
     batch = make_batch(dtype=torch.float32)
-    logp = P.token_logprobs(batch["hidden"], batch["weight"], batch["targets"])
-    logp2, ent = P.token_logprobs(batch["hidden"], batch["weight"], batch["targets"], return_entropy=True)
-    want, want_ent = P._logprobs_ref(batch["hidden"], batch["weight"], batch["targets"], None, 1.0)
+    logp = TL.token_logprobs(batch["hidden"], batch["weight"], batch["targets"])
+    logp2, ent = TL.token_logprobs(batch["hidden"], batch["weight"], batch["targets"], return_entropy=True)
+    want, want_ent = LH.logprobs_ref(batch["hidden"], batch["weight"], batch["targets"], None, 1.0)
     torch.testing.assert_close(logp, want)
     torch.testing.assert_close(logp2, want)
     torch.testing.assert_close(ent, want_ent)
@@ -590,7 +593,7 @@ def test_cpu_dispatches_to_reference_without_warning():
 def test_package_exports():
     import hybridengine as he
 
-    assert he.ppo_loss is P.ppo_loss and he.token_logprobs is P.token_logprobs and he.value_loss is P.value_loss
+    assert he.ppo_loss is P.ppo_loss and he.token_logprobs is TL.token_logprobs and he.value_loss is VL.value_loss
 
 
 def test_bench_rows_on_cpu():
@@ -614,7 +617,7 @@ def test_bench_rows_on_cpu():
 # value_loss
 
 
-@pytest.mark.parametrize("loss_agg", P.LOSS_AGGS)
+@pytest.mark.parametrize("loss_agg", PL.LOSS_AGGS)
 @pytest.mark.parametrize("clip", [0.2, None])
 def test_value_loss_matches_formula(loss_agg, clip):
     """Value and gradient w.r.t. the values against the formula: fp64 to rounding; fp32 within 2x the
@@ -634,20 +637,20 @@ def test_value_loss_matches_formula(loss_agg, clip):
         return loss.detach(), grad
 
     truth = run(formulas.value_loss, torch.float64)
-    got = run(P.value_loss, torch.float64)
+    got = run(VL.value_loss, torch.float64)
     for name, a, b in (("loss", got[0], truth[0]), ("grad", got[1], truth[1])):
         assert_fp64_close(name, a, b, mask.numel())
     same = run(formulas.value_loss, torch.float32)
-    got = run(P.value_loss, torch.float32)
+    got = run(VL.value_loss, torch.float32)
     assert_close_to_truth("fp32 loss", got[0], same[0], truth[0])
     assert_close_to_truth("fp32 grad", got[1], same[1], truth[1])
-    assert torch.autograd.gradcheck(lambda x: P.value_loss(x, old, returns, mask, clip=clip, loss_agg=loss_agg),
+    assert torch.autograd.gradcheck(lambda x: VL.value_loss(x, old, returns, mask, clip=clip, loss_agg=loss_agg),
                                     (v.clone().requires_grad_(),))
 
 
 def test_value_loss_dtypes_and_all_masked():
     v = torch.randn(2, 3, dtype=torch.bfloat16, requires_grad=True)
-    loss = P.value_loss(v, v.detach(), torch.zeros(2, 3), torch.zeros(2, 3))
+    loss = VL.value_loss(v, v.detach(), torch.zeros(2, 3), torch.zeros(2, 3))
     assert loss.dtype == torch.float32 and loss.item() == 0
     loss.backward()
     assert torch.equal(v.grad, torch.zeros_like(v.grad))
@@ -714,11 +717,11 @@ def test_ppo_loss_rejects_mixed_devices():
 def test_token_logprobs_rejects():
     h, w = torch.randn(2, 3, 4), torch.randn(10, 4)
     with pytest.raises(ValueError, match="targets must lie in \\[0, 10\\)"):
-        P.token_logprobs(h, w, torch.full((2, 3), -1))
+        TL.token_logprobs(h, w, torch.full((2, 3), -1))
     with pytest.raises(ValueError, match="weight must be \\[V, H\\] with H = 4"):
-        P.token_logprobs(h, torch.randn(10, 5), torch.zeros(2, 3, dtype=torch.long))
+        TL.token_logprobs(h, torch.randn(10, 5), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature must be"):
-        P.token_logprobs(h, w, torch.zeros(2, 3, dtype=torch.long), temperature=-1.0)
+        TL.token_logprobs(h, w, torch.zeros(2, 3, dtype=torch.long), temperature=-1.0)
 
 
 @pytest.mark.parametrize("args,kw,match", [
@@ -733,7 +736,7 @@ def test_token_logprobs_rejects():
 ])
 def test_value_loss_rejects(args, kw, match):
     with pytest.raises(ValueError, match=match):
-        P.value_loss(*args, **kw)
+        VL.value_loss(*args, **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -760,7 +763,7 @@ def test_gpu_ppo_loss_matches_fp64(device, loss_kw):
 def test_gpu_token_logprobs_matches_fp64(device):
     batch = _gpu_batch(device)
     with torch.no_grad():
-        got, got_ent = P.token_logprobs(batch["hidden"], batch["weight"], batch["targets"], return_entropy=True)
+        got, got_ent = TL.token_logprobs(batch["hidden"], batch["weight"], batch["targets"], return_entropy=True)
         same, same_ent = formulas.token_logprobs(batch["hidden"], batch["weight"], batch["targets"])
         truth, truth_ent = formulas.token_logprobs(batch["hidden"].double(), batch["weight"].double(), batch["targets"])
     assert_close_to_truth("logp", got, same, truth)
@@ -785,7 +788,7 @@ def test_gpu_memory_is_one_chunk(device):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     grads = (M * H + V * H) * 2
-    chunk = P._chunk_rows(M, V, 2, grads) * V * 2
+    chunk = LH.rows_per_chunk(M, V, 2, grads) * V * 2
     assert extra <= chunk + grads + 64 * 2**20, (extra, chunk, grads)
     assert extra < 0.6 * M * V * 2  # less than the bf16 logits alone
 
@@ -794,4 +797,4 @@ def test_gpu_memory_is_one_chunk(device):
 def test_gpu_fp64_warns_and_runs_reference(device):
     batch = _gpu_batch(device, B=1, T=8, V=1000)
     with pytest.warns(RuntimeWarning, match="no fused kernel for torch.float64"):
-        P.token_logprobs(batch["hidden"].double(), batch["weight"].double(), batch["targets"])
+        TL.token_logprobs(batch["hidden"].double(), batch["weight"].double(), batch["targets"])

@@ -17,7 +17,6 @@ Tolerances as in tests/test_ppo_loss.py.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -25,13 +24,15 @@ import torch
 
 import _formulas as formulas
 from hybridengine.ops import _launch
+from hybridengine.ops import chosen_logprobs as CL
+from hybridengine.ops import policy_loss as PL
+from hybridengine.ops import ppo_loss as P
+from hybridengine.ops import token_logprobs as TL
 from hybridengine.ops.exact_linear import linear_exact
 from hybridengine.train.batch import PPOBatch
 from hybridengine.train.config import PPOConfig
 from test_ppo_loss import (CHUNK, ROLLOUT_METRICS, assert_close_to_truth, fused_policy, interpreter, make_batch,
                            run_policy)
-
-P = importlib.import_module("hybridengine.ops.ppo_loss")
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def per_token_chosen(hidden, weight, targets, temperature, bias=None) -> torch.T
     for b in range(B):
         for t in range(T):
             logits = linear_exact(hidden[b, t][None], weight, bias)
-            out[b, t] = P.chosen_logprobs(logits, targets[b, t][None], 1 / temperature)[0]
+            out[b, t] = CL.chosen_logprobs(logits, targets[b, t][None], 1 / temperature)[0]
     return out
 
 
@@ -101,22 +102,22 @@ def _chosen_inputs(R, V, dtype, seed=0):
 
 def _check_row_invariance(logits, tokens, inv_t):
     """Every row alone, the rows in reverse order, and inside a larger batch: the same bits."""
-    full = P.chosen_logprobs(logits, tokens, inv_t)
+    full = CL.chosen_logprobs(logits, tokens, inv_t)
     R = logits.shape[0]
     for r in range(R):
-        one = P.chosen_logprobs(logits[r:r + 1], tokens[r:r + 1], inv_t[r:r + 1])
+        one = CL.chosen_logprobs(logits[r:r + 1], tokens[r:r + 1], inv_t[r:r + 1])
         assert_same_bits(one, full[r:r + 1], f"row {r} alone")
     rev = torch.arange(R - 1, -1, -1)
-    assert_same_bits(P.chosen_logprobs(logits[rev], tokens[rev], inv_t[rev]), full[rev], "reversed")
+    assert_same_bits(CL.chosen_logprobs(logits[rev], tokens[rev], inv_t[rev]), full[rev], "reversed")
     dev = logits.device
     extra = torch.randn(5, logits.shape[1]).to(dev, logits.dtype)
-    bigger = P.chosen_logprobs(torch.cat([extra, logits]),
+    bigger = CL.chosen_logprobs(torch.cat([extra, logits]),
                                torch.cat([torch.randint(0, logits.shape[1], (5,)).to(dev), tokens]),
                                torch.cat([torch.full((5,), 1.25, device=dev), inv_t]))
     assert_same_bits(bigger[5:], full, "inside a larger batch")
     # A float inverse temperature is that float rounded to fp32 for every row.
-    same_t = P.chosen_logprobs(logits, tokens, 1 / 0.7)
-    assert_same_bits(same_t, P.chosen_logprobs(logits, tokens, torch.full((R,), 1 / 0.7, device=dev)),
+    same_t = CL.chosen_logprobs(logits, tokens, 1 / 0.7)
+    assert_same_bits(same_t, CL.chosen_logprobs(logits, tokens, torch.full((R,), 1 / 0.7, device=dev)),
                      "float vs [R] tensor")
     return full
 
@@ -148,7 +149,7 @@ def test_chosen_logprobs_kernel_is_row_invariant(kernel_path, dtype, R, V):
     _check_chosen_against_fp64(got, logits, tokens, inv_t)
     strided = torch.randn(R, V + 7).to(dtype)[:, :V]
     strided.copy_(logits)
-    assert_same_bits(P.chosen_logprobs(strided, tokens, inv_t), got, "a row-strided view")
+    assert_same_bits(CL.chosen_logprobs(strided, tokens, inv_t), got, "a row-strided view")
 
 
 @pytest.mark.parametrize("args,match", [
@@ -166,7 +167,7 @@ def test_chosen_logprobs_kernel_is_row_invariant(kernel_path, dtype, R, V):
 ])
 def test_chosen_logprobs_rejects(args, match):
     with pytest.raises(ValueError, match=match):
-        P.chosen_logprobs(*args)
+        CL.chosen_logprobs(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,11 +178,11 @@ def test_chosen_logprobs_rejects(args, match):
 def test_exact_token_logprobs_torch_path_are_the_samplers(dtype, bias, temperature):
     batch = make_batch(dtype=dtype, bias=bias)
     want = per_token_chosen(batch["hidden"], batch["weight"], batch["targets"], temperature, batch["bias"])
-    got = P.token_logprobs(batch["hidden"], batch["weight"], batch["targets"], bias=batch["bias"],
+    got = TL.token_logprobs(batch["hidden"], batch["weight"], batch["targets"], bias=batch["bias"],
                            temperature=temperature, exact=True)
     assert_same_bits(got, want, "token_logprobs(exact=True)")
     other, order = relayout(batch)
-    got = P.token_logprobs(other["hidden"], batch["weight"], other["targets"], bias=batch["bias"],
+    got = TL.token_logprobs(other["hidden"], batch["weight"], other["targets"], bias=batch["bias"],
                            temperature=temperature, exact=True)
     for new, old in enumerate(order.tolist()):
         if old >= 0:
@@ -203,20 +204,20 @@ def test_exact_token_logprobs_kernel_path_are_the_samplers(logits_kernel_path, V
     batch = make_batch(B=2, T=4, V=V)
     want = per_token_chosen(batch["hidden"], batch["weight"], batch["targets"], temperature)
     for chunk in (1, 3, None):
-        got, _ = P._token_logprobs_fused(batch["hidden"], batch["weight"], batch["targets"], bias=None,
+        got, _ = TL._token_logprobs_fused(batch["hidden"], batch["weight"], batch["targets"], bias=None,
                                          temperature=temperature, exact=True, chunk_rows=chunk)
         assert_same_bits(got, want, f"chunk_rows={chunk}")
     h = batch["hidden"].clone().requires_grad_()
-    got, _ = P._token_logprobs_fused(h, batch["weight"], batch["targets"], bias=None, temperature=temperature,
+    got, _ = TL._token_logprobs_fused(h, batch["weight"], batch["targets"], bias=None, temperature=temperature,
                                      exact=True, chunk_rows=3)
     assert_same_bits(got.detach(), want, "with a gradient")
     got.sum().backward()  # the exact path's backward runs (its values: the default path's math)
     h2 = batch["hidden"].clone().requires_grad_()
-    P._token_logprobs_fused(h2, batch["weight"], batch["targets"], bias=None, temperature=temperature,
+    TL._token_logprobs_fused(h2, batch["weight"], batch["targets"], bias=None, temperature=temperature,
                             chunk_rows=3)[0].sum().backward()
     torch.testing.assert_close(h.grad, h2.grad)
     other, order = relayout(batch)
-    got, _ = P._token_logprobs_fused(other["hidden"], batch["weight"], other["targets"], bias=None,
+    got, _ = TL._token_logprobs_fused(other["hidden"], batch["weight"], other["targets"], bias=None,
                                      temperature=temperature, exact=True, chunk_rows=CHUNK)
     for new, old in enumerate(order.tolist()):
         if old >= 0:
@@ -240,7 +241,7 @@ def _assert_on_policy(fn, batch, old, temperature):
         assert m["kl_loss"].item() == 0 and m["ppo_kl"].item() == 0
         assert m["pg_clipfrac"].item() == 0 and m["pg_clipfrac_lower"].item() == 0
         # ratio 1: pg = -A exactly, and the loss is agg(-A)
-        assert loss.item() == P._aggregate(-adv, batch["mask"], "token-mean").item()
+        assert loss.item() == PL.aggregate(-adv, batch["mask"], "token-mean").item()
 
 
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, False), (torch.float32, True)])
@@ -299,7 +300,7 @@ def with_rollout(batch, *, seed=3, scale=0.5):
 
 
 def test_rollout_correction_by_hand():
-    """_policy_loss on values worked out by hand: w, the metrics, and the weighted pg."""
+    """policy_loss on values worked out by hand: w, the metrics, and the weighted pg."""
     logp = torch.zeros(1, 6, dtype=torch.float64)
     old = torch.zeros(1, 6, dtype=torch.float64)  # ratio 1: pg = -A
     log_r = torch.tensor([[math.log(0.25), math.log(0.6), 0.0, math.log(1.9), math.log(2.5), 7.0]], dtype=torch.float64)
@@ -313,8 +314,8 @@ def test_rollout_correction_by_hand():
         "mis": ([0.0, 1.0, 1.0, 1.0, 0.0], [1, 0, 0, 0, 1]),
     }
     for mode, (w, flagged) in cases.items():
-        cfg = P.LossConfig(rollout_correction=mode, rollout_correction_cap=2.0)
-        loss, m = P._policy_loss(logp, ent, old, adv, mask, None, cfg, rollout)
+        cfg = PL.LossConfig(rollout_correction=mode, rollout_correction_cap=2.0)
+        loss, m = PL.policy_loss(logp, ent, old, adv, mask, None, cfg, rollout)
         pg = [-a * wi for a, wi in zip(adv[0, :5].tolist(), w)]
         assert loss.item() == pytest.approx(sum(pg) / 5, rel=1e-15)
         assert m["pg_loss"].item() == pytest.approx(sum(pg) / 5, rel=1e-15)
@@ -323,17 +324,17 @@ def test_rollout_correction_by_hand():
         diff = sum(abs(x) for x in log_r[0, :5].tolist()) / 5
         assert m["rollout_corr_logprob_diff"].item() == pytest.approx(diff, rel=1e-15)
     # Off: weight 1 and clipfrac 0; the log-prob difference is still measured when rollout_logprobs is given.
-    loss, m = P._policy_loss(logp, ent, old, adv, mask, None, P.LossConfig(), rollout)
+    loss, m = PL.policy_loss(logp, ent, old, adv, mask, None, PL.LossConfig(), rollout)
     assert loss.item() == pytest.approx(-adv[0, :5].mean().item(), rel=1e-15)
     assert m["rollout_corr_weight"].item() == 1 and m["rollout_corr_clipfrac"].item() == 0
     assert m["rollout_corr_logprob_diff"].item() == pytest.approx(diff, rel=1e-15)
 
 
-@pytest.mark.parametrize("mode", P.ROLLOUT_CORRECTIONS)
-@pytest.mark.parametrize("loss_agg", P.LOSS_AGGS)
+@pytest.mark.parametrize("mode", PL.ROLLOUT_CORRECTIONS)
+@pytest.mark.parametrize("loss_agg", PL.LOSS_AGGS)
 @pytest.mark.parametrize("clip_ratio_c", [None, 3.0])
 def test_rollout_grad_coefficients_match_autograd(mode, loss_agg, clip_ratio_c):
-    """The hand-written dloss/dlogp with the correction equals torch autograd of `_policy_loss`."""
+    """The hand-written dloss/dlogp with the correction equals torch autograd of `policy_loss`."""
     B, T = 4, 9
     logp = -torch.rand(B, T, dtype=torch.float64) * 5
     old = logp + torch.randn(B, T, dtype=torch.float64) * 0.5
@@ -345,13 +346,13 @@ def test_rollout_grad_coefficients_match_autograd(mode, loss_agg, clip_ratio_c):
     mask = torch.rand(B, T) > 0.2
     mask[3] = False
     rollout[3] = float("nan")  # masked-out garbage must not leak
-    cfg = P.LossConfig(clip_low=0.1, clip_high=0.28, clip_ratio_c=clip_ratio_c, kl_coef=0.7, loss_agg=loss_agg,
+    cfg = PL.LossConfig(clip_low=0.1, clip_high=0.28, clip_ratio_c=clip_ratio_c, kl_coef=0.7, loss_agg=loss_agg,
                        rollout_correction=mode, rollout_correction_cap=1.5)
     lp = logp.clone().requires_grad_()
-    loss, _ = P._policy_loss(lp, torch.zeros_like(lp), old, adv, mask, ref, cfg, rollout)
+    loss, _ = PL.policy_loss(lp, torch.zeros_like(lp), old, adv, mask, ref, cfg, rollout)
     (expected,) = torch.autograd.grad(loss, lp)
-    w, _ = P._rollout_weight(old, rollout, cfg, torch.float64)
-    got = P._policy_grad_logp(logp, old, adv, ref, P._agg_weights(mask, loss_agg, torch.float64), cfg, w)
+    w, _ = PL.rollout_weight(old, rollout, cfg, torch.float64)
+    got = PL.policy_grad_logp(logp, old, adv, ref, PL.agg_weights(mask, loss_agg, torch.float64), cfg, w)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
     assert expected.isfinite().all()
 
@@ -391,7 +392,7 @@ def check_rollout_correction(batch, mode, *, fused=fused_policy, cap=1.5, **loss
     for label, fn in (("reference", P.ppo_loss_ref), ("fused", fused)):
         loss, m, grads = run_policy(fn, batch, rollout_logprobs=batch["rollout"], rollout_correction=mode,
                                     rollout_correction_cap=cap, **kw)
-        assert set(m) == set(P.METRICS)
+        assert set(m) == set(PL.METRICS)
         assert_close_to_truth(f"{label} loss", loss, same_w[0], truth_w[0])
         assert_close_to_truth(f"{label} pg_loss", m["pg_loss"], same_w[1]["pg_loss"], truth_w[1]["pg_loss"])
         for name in truth_w[2]:
@@ -410,12 +411,12 @@ def test_rollout_correction_matches_fp64(mode, batch_kw, loss_kw):
 
 
 @interpreter
-@pytest.mark.parametrize("mode", P.ROLLOUT_CORRECTIONS)
+@pytest.mark.parametrize("mode", PL.ROLLOUT_CORRECTIONS)
 def test_rollout_correction_is_the_identity_when_rollout_equals_old(mode):
     """old == rollout bitwise: w == 1 exactly, and loss, metrics and gradients are the uncorrected ones, bit for bit."""
     batch = make_batch(bias=True)
     kw = dict(ref_logprobs=batch["ref"], kl_coef=0.1, entropy_coef=0.01, clip_ratio_c=3.0, temperature=0.9)
-    w, _ = P._rollout_weight(batch["old"], batch["old"].clone(), P.LossConfig(rollout_correction=mode), torch.float32)
+    w, _ = PL.rollout_weight(batch["old"], batch["old"].clone(), PL.LossConfig(rollout_correction=mode), torch.float32)
     assert torch.equal(w, torch.ones_like(w))
     for fn in (P.ppo_loss_ref, fused_policy):
         plain = run_policy(fn, batch, **kw)
@@ -434,7 +435,7 @@ def test_masked_rollout_garbage_is_ignored():
     """NaN / inf rollout log-probs on masked-out tokens: loss and gradients as with clean padding."""
     batch = with_rollout(make_batch(dtype=torch.float32))
     off = ~batch["mask"]
-    for mode in P.ROLLOUT_CORRECTIONS:
+    for mode in PL.ROLLOUT_CORRECTIONS:
         kw = dict(ref_logprobs=batch["ref"], kl_coef=0.1, rollout_correction=mode, rollout_correction_cap=1.5)
         for fn in (P.ppo_loss_ref, fused_policy):
             clean = run_policy(fn, batch, rollout_logprobs=batch["rollout"], **kw)
@@ -518,7 +519,7 @@ def _ppo_batch(**over):
 
 def test_ppo_config_check_batch():
     batch = PPOBatch(**_ppo_batch())
-    for mode in P.ROLLOUT_CORRECTIONS:
+    for mode in PL.ROLLOUT_CORRECTIONS:
         PPOConfig(rollout_correction=mode).check_batch(batch)
     no_rollout = PPOBatch(**_ppo_batch(rollout_logprobs=None))
     PPOConfig().check_batch(no_rollout)
@@ -569,13 +570,13 @@ def test_gpu_exact_logprobs_are_the_samplers(device):
     at 128-row chunks, placed in another batch, and ppo_loss(exact=True) with the sampler's old log-probs."""
     batch = _gpu_batch(device, B=3, T=60, H=256, V=50257, temperature=0.7)
     want = per_token_chosen(batch["hidden"], batch["weight"], batch["targets"], 0.7)
-    got = P.token_logprobs(batch["hidden"], batch["weight"], batch["targets"], temperature=0.7, exact=True)
+    got = TL.token_logprobs(batch["hidden"], batch["weight"], batch["targets"], temperature=0.7, exact=True)
     assert_same_bits(got, want, "token_logprobs(exact=True)")
-    got, _ = P._token_logprobs_fused(batch["hidden"], batch["weight"], batch["targets"], bias=None, temperature=0.7,
+    got, _ = TL._token_logprobs_fused(batch["hidden"], batch["weight"], batch["targets"], bias=None, temperature=0.7,
                                      exact=True, chunk_rows=128)
     assert_same_bits(got, want, "chunk_rows=128")
     other, order = relayout(batch)
-    got = P.token_logprobs(other["hidden"], batch["weight"], other["targets"], temperature=0.7, exact=True)
+    got = TL.token_logprobs(other["hidden"], batch["weight"], other["targets"], temperature=0.7, exact=True)
     for new, old in enumerate(order.tolist()):
         if old >= 0:
             assert_same_bits(got[new, :60], want[old], f"row {old} placed at {new}, padded")
@@ -584,7 +585,7 @@ def test_gpu_exact_logprobs_are_the_samplers(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", P.ROLLOUT_CORRECTIONS)
+@pytest.mark.parametrize("mode", PL.ROLLOUT_CORRECTIONS)
 def test_gpu_rollout_correction_matches_fp64(device, mode):
     batch = _gpu_batch(device, B=4, T=250, H=256, V=50257, temperature=0.7)
     check_rollout_correction(batch, mode, fused=P.ppo_loss, kl_coef=0.04, clip_ratio_c=3.0, temperature=0.7,

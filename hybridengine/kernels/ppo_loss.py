@@ -1,7 +1,7 @@
 """Row kernels of the fused PPO loss: softmax statistics of a chunk of logits, and the logits'
 gradient written in place.
 
-The LM-head matmuls stay in cuBLAS (`hybridengine.ops.ppo_loss` drives the chunk loop); these two
+The LM-head matmuls stay in cuBLAS (`hybridengine.ops.lm_head` drives the chunk loop); these two
 kernels do the part of a log-softmax that torch would spread over ~10 full-size elementwise
 passes. Both stream each row in `BLOCK_V` slices and compute in fp32 after the load (bf16
 arithmetic in the Triton interpreter is silently wrong, and fp32 is what the math needs anyway).
@@ -14,7 +14,7 @@ For a row of logits `x` with `z = x * inv_t` (`inv_t = 1 / T`), `lse = logsumexp
   temperature for all rows or one per row (a pointer: the sampler's batch mixes temperatures).
   One program per row and a `BLOCK_V` chosen from the vocabulary size alone, so a row's results
   are the same bits whatever the other rows and their number: the sampler and the trainer call it
-  on the same logits rows and get the same log-probs (`hybridengine.ops.ppo_loss.chosen_logprobs`).
+  on the same logits rows and get the same log-probs (`hybridengine.ops.chosen_logprobs`).
 - `logit_grad_`: given per-row coefficients `g_logp = dL/dlogp` and `g_ent = dL/dentropy`,
   overwrites the row with `dL/dx = (g_logp * (onehot - p) - g_ent * p * (log p + entropy)) / T`
   (one read, one write).

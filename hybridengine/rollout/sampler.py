@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridengine.ops.ppo_loss import chosen_logprobs
+from hybridengine.ops.chosen_logprobs import chosen_logprobs
 from hybridengine.ops.sample_fused import sample_fused
 from hybridengine.rollout.sampling_params import SamplingParams
 
@@ -148,7 +148,7 @@ class Sampler:
     Under TP (`vocab_shard`), logits are this rank's vocabulary slice: the fused sampler runs
     vocab-parallel; a step that needs `sample` gathers the whole vocabulary first.
 
-    `exact` (EngineConfig.exact_logprobs): the reported log-probs are `ops.ppo_loss.chosen_logprobs` of the
+    `exact` (EngineConfig.exact_logprobs): the reported log-probs are `ops.chosen_logprobs` of the
     whole logits row, the row-wise reduction the trainer's exact log-prob pass runs over the same logits,
     whichever sampler chose the tokens (under TP the logits are gathered for it).
     """

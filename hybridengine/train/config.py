@@ -1,5 +1,5 @@
-"""The configs of one optimizer step: `TrainConfig` (a custom loss), `PPOConfig` (the policy's built-in loss,
-a `TrainConfig`) and `ValueConfig` (the critic)."""
+"""The configs of one optimizer step: `TrainConfig` (a custom loss), `PPOConfig` (the policy's built-in loss:
+a `TrainConfig` with the loss options of `ops.policy_loss.LossOptions`) and `ValueConfig` (the critic)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hybridengine import checks
-from hybridengine.ops.ppo_loss import LOSS_AGGS, LossConfig
+from hybridengine.ops.policy_loss import LOSS_AGGS, LOSS_FIELDS, LossOptions
 
-LOSS_FIELDS = ("clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg",
-               "rollout_correction", "rollout_correction_cap")
-"""The fields of `PPOConfig` that configure `ppo_loss` (validated by `LossConfig`)."""
 LOSS_SCALES = ("auto", "tokens", "sequences", "global-tokens", "global-sequences", "sum")
 """How a step weights the loss of each micro-batch (`TrainConfig.loss_scale`)."""
 NONFINITE_GRAD = ("skip", "warn", "raise")
@@ -23,7 +20,8 @@ class _StepConfig:
     """What every optimizer step takes: micro-batching, clipping and AdamW."""
 
     loss_agg: str = "token-mean"
-    """How the per-token losses of a rank's batch are aggregated (one of `LOSS_AGGS`)."""
+    """How the per-token losses of a rank's batch are aggregated (one of `LOSS_AGGS`; `PPOConfig`'s loss
+    option of the same name is this field)."""
     micro_batch_tokens: int = 16384
     """Most tokens in one forward/backward (gradients accumulate over micro-batches)."""
     max_grad_norm: float | None = 1.0
@@ -114,30 +112,15 @@ class TrainConfig(_StepConfig):
 
 
 @dataclass(kw_only=True, slots=True)
-class PPOConfig(TrainConfig):
-    """One PPO/GRPO optimizer step (names as in verl where they exist)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_ratio_c: float | None = None
-    """Dual-clip bound (> 1) for negative advantages; None: off."""
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
-    """The sampling temperature of the rollout: log-probs are those of logits / temperature."""
-    rollout_correction: str | None = None
-    """None, "tis" or "mis": weight each token's policy-gradient term by r = pi_old / pi_rollout =
-    exp(old_logprobs - rollout_logprobs), truncated ("tis": min(r, cap)) or masked ("mis": 1 inside
-    [1 / cap, cap], else 0), for rollouts whose log-probs differ from the trainer's. Needs
-    batch.rollout_logprobs (`check_batch`)."""
-    rollout_correction_cap: float = 2.0
-    """The rollout correction's cap (finite, > 1)."""
+class PPOConfig(TrainConfig, LossOptions):
+    """One PPO/GRPO optimizer step: a `TrainConfig` plus the loss options of `ppo_loss` (clip range, dual clip,
+    KL, entropy, loss_agg, rollout correction), declared once in `ops.policy_loss.LossOptions`. A rollout
+    correction needs batch.rollout_logprobs, a nonzero kl_coef batch.ref_logprobs (`check_batch`)."""
 
     def validate(self) -> None:
         self._check_train("PPOConfig")
-        try:  # the loss knobs are validated where the loss defines them
-            LossConfig(**{name: getattr(self, name) for name in LOSS_FIELDS})
+        try:  # the loss options are checked where they are declared
+            self.check_loss()
         except ValueError as e:
             raise ValueError(f"PPOConfig: {e}") from None
 

@@ -1,6 +1,6 @@
 """Token-level losses for `HybridEngine.train_step`, written in plain torch on per-token log-probs.
 
-`train_step(batch, loss_fn, config)` runs the fused LM-head pass (`ops.ppo_loss.masked_logprobs`) on each
+`train_step(batch, loss_fn, config)` runs the fused LM-head pass (`ops.masked_logprobs.masked_logprobs`) on each
 micro-batch and calls `loss_fn(logp, entropy, fields)`: logp and entropy are fp32 [B, T] tensors over the
 micro-batch's B sequences (row i is the sequence `fields["seq_index"][i, 0]` of the rank's batch, position t
 predicts its token t + 1), computed where `fields["mask"]` is True and 0 elsewhere. The loss returns a
@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hybridengine.ops.ppo_loss import LOSS_AGGS, LossConfig, _aggregate, _policy_loss
+from hybridengine.ops.policy_loss import LOSS_AGGS, LOSS_FIELDS, LossConfig, aggregate, policy_loss
 
 __all__ = ["LossFields", "LossFnError", "MissingFieldError", "cispo", "dpo", "gspo", "ppo_clip", "ppo_options",
            "sft_nll"]
@@ -89,10 +89,11 @@ def _seq_mean(values: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 def ppo_clip(logp, entropy, fields, *, clip_low=0.2, clip_high=0.2, clip_ratio_c=None, kl_coef=0.0,
              kl_estimator="k3", entropy_coef=0.0, loss_agg="token-mean", rollout_correction=None,
              rollout_correction_cap=2.0):
-    """The PPO/GRPO clipped surrogate of `ppo_step` (`ops.ppo_loss.ppo_loss`'s formulas and metrics) on the
-    hook's log-probs: needs old_logprobs and advantages (ref_logprobs for kl_coef != 0, rollout_logprobs
-    for a rollout correction). Returns (loss, metrics). With the options of a `PPOConfig` (`ppo_options`)
-    and the same config, `train_step(batch, partial(ppo_clip, **ppo_options(cfg)), cfg)` is `ppo_step`."""
+    """The PPO/GRPO clipped surrogate of `ppo_step` (`ops.ppo_loss.ppo_loss`'s formulas and metrics: both run
+    `ops.policy_loss.policy_loss`) on the hook's log-probs: needs old_logprobs and advantages (ref_logprobs for
+    kl_coef != 0, rollout_logprobs for a rollout correction). Returns (loss, metrics). With the options of a
+    `PPOConfig` (`ppo_options`) and the same config, `train_step(batch, partial(ppo_clip, **ppo_options(cfg)),
+    cfg)` is `ppo_step`."""
     try:
         cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg,
@@ -104,14 +105,12 @@ def ppo_clip(logp, entropy, fields, *, clip_low=0.2, clip_high=0.2, clip_ratio_c
         _require("ppo_clip (kl_coef != 0)", fields, "ref_logprobs")
     if rollout_correction is not None:
         _require(f"ppo_clip (rollout_correction={rollout_correction!r})", fields, "rollout_logprobs")
-    return _policy_loss(logp, entropy, fields["old_logprobs"], fields["advantages"], _mask(fields),
-                        fields.get("ref_logprobs"), cfg, fields.get("rollout_logprobs"))
+    return policy_loss(logp, entropy, fields["old_logprobs"], fields["advantages"], _mask(fields),
+                       fields.get("ref_logprobs"), cfg, fields.get("rollout_logprobs"))
 
 
 def ppo_options(cfg) -> dict:
     """The `ppo_clip` options a `PPOConfig` sets (its loss fields)."""
-    from hybridengine.train.config import LOSS_FIELDS
-
     return {name: getattr(cfg, name) for name in LOSS_FIELDS}
 
 
@@ -136,9 +135,9 @@ def gspo(logp, entropy, fields, *, clip_low=3e-4, clip_high=4e-4, loss_agg="seq-
     adv = fields["advantages"].to(logp.dtype)
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss = _aggregate(torch.maximum(pg1, pg2), mask, loss_agg)
+    loss = aggregate(torch.maximum(pg1, pg2), mask, loss_agg)
     live = tokens.squeeze(-1) > 0
-    metrics = dict(pg_clipfrac=_aggregate((pg2 > pg1).to(logp.dtype), mask, "token-mean"),
+    metrics = dict(pg_clipfrac=aggregate((pg2 > pg1).to(logp.dtype), mask, "token-mean"),
                    seq_ratio=_seq_mean(torch.exp(seq_log_ratio.squeeze(-1).detach()), live))
     return loss, {k: v.detach() for k, v in metrics.items()}
 
@@ -155,9 +154,9 @@ def cispo(logp, entropy, fields, *, clip_low=None, clip_high=0.28, loss_agg="tok
     ratio = torch.exp(torch.clamp(logp.detach() - fields["old_logprobs"], -20, 20))
     weight = torch.clamp(ratio, min=None if clip_low is None else 1 - clip_low, max=1 + clip_high)
     adv = fields["advantages"].to(logp.dtype)
-    loss = _aggregate(-weight * adv * logp, mask, loss_agg)
-    metrics = dict(is_clipfrac=_aggregate((weight != ratio).to(logp.dtype), mask, "token-mean"),
-                   is_weight=_aggregate(weight, mask, "token-mean"))
+    loss = aggregate(-weight * adv * logp, mask, loss_agg)
+    metrics = dict(is_clipfrac=aggregate((weight != ratio).to(logp.dtype), mask, "token-mean"),
+                   is_weight=aggregate(weight, mask, "token-mean"))
     return loss, metrics
 
 
@@ -166,8 +165,8 @@ def sft_nll(logp, entropy, fields, *, loss_agg="token-mean"):
     (every target token when the batch has no response_mask). Returns (loss, metrics: nll per token)."""
     _check_options("sft_nll", loss_agg=loss_agg)
     mask = _mask(fields)
-    loss = _aggregate(-logp, mask, loss_agg)
-    return loss, dict(nll=_aggregate(-logp.detach(), mask, "token-mean"))
+    loss = aggregate(-logp, mask, loss_agg)
+    return loss, dict(nll=aggregate(-logp.detach(), mask, "token-mean"))
 
 
 def dpo(logp, entropy, fields, *, beta=0.1, label_smoothing=0.0):

@@ -30,7 +30,10 @@ import torch.nn.functional as F
 
 from hybridengine import checks
 from hybridengine.model.config import ModelConfig
-from hybridengine.ops.ppo_loss import masked_logprobs, ppo_loss, token_logprobs, value_loss
+from hybridengine.ops.masked_logprobs import masked_logprobs
+from hybridengine.ops.ppo_loss import ppo_loss
+from hybridengine.ops.token_logprobs import token_logprobs
+from hybridengine.ops.value_loss import value_loss
 from hybridengine.sharding.switch import ShardedBuffer
 from hybridengine.train.batch import PPOBatch, plan_micro_batches
 from hybridengine.train.config import PPOConfig, TrainConfig, ValueConfig
