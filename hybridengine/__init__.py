@@ -23,8 +23,8 @@ from hybridengine.train.trainer import PPOBatch, PPOConfig, TrainConfig, ValueCo
 
 __version__ = "0.1.0"
 
-__all__ = ["CausalLM", "CollectiveError", "CompletionOutput", "EngineConfig", "FlatParamBuffer", "HybridEngine", "MODEL_CONFIGS",
-           "ModelConfig", "PPOBatch", "PPOConfig", "ParamSpec", "RequestOutput", "RopeConfig", "SamplingParams",
-           "ShardedLayout", "TrainConfig", "ValueConfig", "__version__", "load_model", "losses", "masked_logprobs",
-           "model_config", "param_specs", "ppo_loss",
-           "tp_role", "token_logprobs", "unit_of", "value_loss"]
+__all__ = ["CausalLM", "CollectiveError", "CompletionOutput", "EngineConfig", "FlatParamBuffer", "HybridEngine",
+           "MODEL_CONFIGS", "ModelConfig", "PPOBatch", "PPOConfig", "ParamSpec", "RequestOutput", "RopeConfig",
+           "SamplingParams", "ShardedLayout", "TrainConfig", "ValueConfig", "__version__", "load_model", "losses",
+           "masked_logprobs", "model_config", "param_specs", "ppo_loss", "tp_role", "token_logprobs", "unit_of",
+           "value_loss"]

@@ -1,4 +1,5 @@
-"""`python -m hybridengine_bench run --suite NAME --gpus N` | `python -m hybridengine_bench soak` | `python -m hybridengine_bench report` | `python -m hybridengine_bench list`.
+"""`python -m hybridengine_bench run --suite NAME --gpus N` | `python -m hybridengine_bench soak` |
+`python -m hybridengine_bench report` | `python -m hybridengine_bench list`.
 
 `run` with --gpus > 1 starts itself under torchrun (one process per GPU, `-m hybridengine_bench.worker`); all
 processes share one run id, and rank 0 appends the rows.
@@ -26,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
                      "(default: tiny-qwen2 for smoke, else qwen2.5-1.5b)")
     run.add_argument("--scale", type=float, default=1.0, help="multiply repeat counts (0.3: a quick pass)")
     run.add_argument("--out", default=os.environ.get("HE_BENCH_RESULTS", str(RESULTS)),
-                     help="rows file to append to (default $HE_BENCH_RESULTS or hybridengine_bench/results/results.jsonl)")
+                     help="rows file to append to "
+                          "(default $HE_BENCH_RESULTS or hybridengine_bench/results/results.jsonl)")
     run.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA is available")
     rep = sub.add_parser("report", help="report.md and the plots from the rows; refreshes the README's marked table")
     rep.add_argument("--rows", default=str(RESULTS))

@@ -174,7 +174,8 @@ def _determinism(he, model: str, ctx: Ctx, w: ExactWork, exact_mode: bool, batch
         engine = _engine(he, model, ctx, w, exact_mode)
         for _ in range(2):
             engine.ppo_step(batch, ppo)
-        digests.append([_digest(t) for t in (engine.sharded.flat_buffer.data, *engine.trainer.optimizer.state_tensors())])
+        digests.append([_digest(t) for t in (engine.sharded.flat_buffer.data,
+                                             *engine.trainer.optimizer.state_tensors())])
         del engine
         release_memory()
     ctx.log(f"  {BENCH} {model} {'exact' if exact_mode else 'default'}: two training runs "

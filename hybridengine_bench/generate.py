@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .common import GiB, Ctx, quantiles, random_ids, record_generate
+from .common import GiB, Ctx, quantiles, random_ids
 
 HBM_FALLBACK_GBPS = 4210.0
 
@@ -51,8 +51,8 @@ def _generate_tg(ctx: Ctx, he, model: str, tg: int) -> None:
     variants = [(case, mode, "fused") for case in cases for mode in (True, False)]
     variants += [(case, True, "torch") for case in cases if case["name"] == "grpo"]
     with engine.rollout():
-        ctx.log(f"  {model} tg={tg}: KV cache {engine.stats['kv_cache_GiB']:.1f} GiB, {engine.stats['kv_blocks']} blocks, "
-                f"CUDA graph capture {engine.stats['cuda_graph_capture_s']:.2f} s")
+        ctx.log(f"  {model} tg={tg}: KV cache {engine.stats['kv_cache_GiB']:.1f} GiB, "
+                f"{engine.stats['kv_blocks']} blocks, CUDA graph capture {engine.stats['cuda_graph_capture_s']:.2f} s")
         for case, async_scheduling, sampler in variants:
             _generate_case(ctx, he, engine, model, tg, groups, case, async_scheduling, sampler)
     # The decode-step floor of each case, per GPU: its weight bytes (1/tg of the model) once + its KV bytes

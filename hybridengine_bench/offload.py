@@ -134,8 +134,8 @@ def offload_rollout(ctx: Ctx) -> None:
                 ctx.rec.add(BENCH, "hybridengine", model, {**case, "phase": "offload_wait"}, "seconds",
                             ctx.slowest([stats.get("offload_wait_s", 0.0)])[0])
             ctx.log(f"  {BENCH} kv_capacity {model} offload={mode}: KV {report['kv_cache_capacity']:.1f} GiB "
-                    f"({capacity[mode]:,} tokens; {stats['kv_blocks_at_entry'] * engine.config.block_size:,} at entry), "
-                    f"optimizer on device {report['optimizer']:.1f} GiB, host "
+                    f"({capacity[mode]:,} tokens; {stats['kv_blocks_at_entry'] * engine.config.block_size:,} "
+                    f"at entry), optimizer on device {report['optimizer']:.1f} GiB, host "
                     f"{report['host_optimizer']:.1f} GiB")
         ctx.log(f"  {BENCH} kv_capacity {model}: rollout/none = {capacity['rollout'] / capacity['none']:.2f}x")
         if "grpo_step" in PARTS:
@@ -208,7 +208,8 @@ def _grpo_steps(ctx: Ctx, engine, model: str, w: E2EWork, ppo) -> None:
         totals = [sum(s.values()) for s in steps]
         tokens = ctx.world * w.prompts * w.n * (w.prompt + w.new_tokens)
         ctx.rec.add(BENCH, "hybridengine", model, case, "seconds", totals)
-        ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "all"}, "tokens_per_s", [tokens / t for t in totals])
+        ctx.rec.add(BENCH, "hybridengine", model, {**case, "count": "all"}, "tokens_per_s",
+                    [tokens / t for t in totals])
         for phase in steps[0]:
             ctx.rec.add(BENCH, "hybridengine", model, {**case, "phase": phase}, "seconds", [s[phase] for s in steps])
         ctx.record_peak(pm, BENCH, "hybridengine", model, case)
@@ -359,7 +360,8 @@ def offload_optimizer(ctx: Ctx) -> None:
             del engine
             release_memory()
         if most.get("none") and "optimizer" in most:
-            ctx.log(f"  {BENCH} optimizer {model}: most tokens optimizer/none = {most['optimizer'] / most['none']:.2f}x")
+            ctx.log(f"  {BENCH} optimizer {model}: most tokens optimizer/none = "
+                    f"{most['optimizer'] / most['none']:.2f}x")
 
 
 HOST_FRACTION = 0.8

@@ -100,7 +100,8 @@ def flex_paged(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, *,
     return eager
 
 
-def decode_inputs(ctx: Ctx, batch: int, context: int, g: torch.Generator, heads: tuple[int, int] | None = None) -> tuple:
+def decode_inputs(ctx: Ctx, batch: int, context: int, g: torch.Generator,
+                  heads: tuple[int, int] | None = None) -> tuple:
     """q, dense K/V and the same K/V in a shuffled paged cache: (q, dense_k, dense_v, k_cache, v_cache,
     block_tables, context_lens), one layer's heads in bf16: (q_heads, kv_heads), Qwen2-7B's by default."""
     q_heads, kv_heads = heads or (NUM_Q_HEADS, NUM_KV_HEADS)
@@ -112,7 +113,8 @@ def decode_inputs(ctx: Ctx, batch: int, context: int, g: torch.Generator, heads:
 
 def dense_sdpa(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor) -> torch.Tensor:
     """The peer: torch's scaled_dot_product_attention decode over contiguous K/V, [B, q_heads, D]."""
-    return F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=HEAD_DIM**-0.5, enable_gqa=True)[:, :, 0]
+    return F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=HEAD_DIM**-0.5,
+                                          enable_gqa=True)[:, :, 0]
 
 
 def _flush_buffer(ctx: Ctx) -> torch.Tensor:
@@ -345,7 +347,8 @@ PREFETCH_CONFIGS = [dict(BLOCK_N=n, num_warps=w, num_stages=1, PREFETCH=True)
 """Register prefetch at several tiles; num_stages=1: the loop is not software-pipelined by Triton anyway."""
 
 
-READ_CONFIGS = [dict(block=b, iters=i, num_warps=w) for b, i, w in ((4096, 1, 4), (4096, 4, 8), (8192, 2, 8), (2048, 8, 4))]
+READ_CONFIGS = [dict(block=b, iters=i, num_warps=w)
+                for b, i, w in ((4096, 1, 4), (4096, 4, 8), (8192, 2, 8), (2048, 8, 4))]
 """Launch shapes of the read-floor kernel (elements per load, loads per program, warps)."""
 
 
@@ -385,7 +388,8 @@ def paged_attention_prefetch(ctx: Ctx) -> None:
         base = dict(batch=batch, context=context, q_heads=heads[0], kv_heads=heads[1], head_dim=HEAD_DIM,
                     dtype="bf16", kv_bytes=nbytes, block_size=BLOCK_SIZE, flush="read", sweep="prefetch")
         flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=ctx.device).normal_()
-        peers = {"sdpa_dense": lambda: dense_sdpa(q, dense_k, dense_v), "hbm_read": lambda: flat.sum(dtype=torch.float32)}
+        peers = {"sdpa_dense": lambda: dense_sdpa(q, dense_k, dense_v),
+                 "hbm_read": lambda: flat.sum(dtype=torch.float32)}
         summary = {}
         for provider, fn in peers.items():
             times = cold_times(ctx, fn, warmup=5, repeats=30, flush=flush)
@@ -421,8 +425,8 @@ def paged_attention_prefetch(ctx: Ctx) -> None:
                 if config is None and splits == auto:
                     summary["auto"] = median
                 best = min(best, (median, f"{label} {parts} partitions {config or ''}"), key=lambda x: x[0])
-        ctx.log(f"paged_attention prefetch {model} B={batch} ctx={context}: read kernel {summary['read_kernel'] * 1e6:.1f} us, "
-                f"torch.sum {summary['hbm_read'] * 1e6:.1f}, "
+        ctx.log(f"paged_attention prefetch {model} B={batch} ctx={context}: "
+                f"read kernel {summary['read_kernel'] * 1e6:.1f} us, torch.sum {summary['hbm_read'] * 1e6:.1f}, "
                 f"sdpa {summary['sdpa_dense'] * 1e6:.1f}, auto {summary.get('auto', float('nan')) * 1e6:.1f}, best "
                 f"{best[0] * 1e6:.1f} us ({nbytes / best[0] / 1e9:,.0f} GB/s) with {best[1]}")
         del q, dense_k, dense_v, k_cache, v_cache, tables, lens, expected, flat

@@ -69,7 +69,8 @@ def prefill_attention(ctx: Ctx) -> None:
         runs["sdpa"] = lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
         outs = {}
         for provider, fn in runs.items():
-            times = ctx.measure(fn, warmup=3, repeats=10 if ctx.cuda else 1, desc=f"prefill {provider} {batch}x{length}")
+            times = ctx.measure(fn, warmup=3, repeats=10 if ctx.cuda else 1,
+                                desc=f"prefill {provider} {batch}x{length}")
             ctx.rec.add("prefill_attention", provider, MODEL, case, "seconds", times)
             ctx.rec.add("prefill_attention", provider, MODEL, case, "TFLOP_per_s", [flops / t / 1e12 for t in times])
             out = fn()

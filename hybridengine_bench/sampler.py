@@ -43,7 +43,8 @@ def sampler(ctx: Ctx) -> None:
                 for block in (512, 1024, 2048):
                     times = ctx.measure(lambda: sample_fused(logits, inv, keys, draws, splits=s, block=block),
                                         warmup=3, repeats=20, desc=f"sampler sweep s={s} b={block}")
-                    ctx.rec.add("sampler", "hybridengine", None, dict(batch=B, vocab=VOCAB, dtype="bf16", sweep=True,
-                                                                      logits_bytes=2 * B * VOCAB, splits=s, block=block),
+                    ctx.rec.add("sampler", "hybridengine", None,
+                                dict(batch=B, vocab=VOCAB, dtype="bf16", sweep=True, logits_bytes=2 * B * VOCAB,
+                                     splits=s, block=block),
                                 "seconds", times)
                     ctx.log(f"sampler sweep B=128 splits={s} block={block}: {quantiles(times)[1] * 1e6:.1f} us")

@@ -81,7 +81,8 @@ def segment_copy(ctx: Ctx) -> None:
         built = extension_has("segment_copy", ctx.device.type)
     except ImportError as e:
         EXTENSION_ERROR, built = f"hybridengine.ops does not import: {e}", False
-    reason = None if built else f"hybridengine._C has no {ctx.device.type} segment_copy ({EXTENSION_ERROR or 'op not registered'})"
+    reason = None if built else (f"hybridengine._C has no {ctx.device.type} segment_copy "
+                                 f"({EXTENSION_ERROR or 'op not registered'})")
     layer = layer_table("qwen2-7b" if ctx.cuda else "tiny-qwen2")
     for nbytes in SIZES_GPU if ctx.cuda else SIZES_CPU:
         numel = nbytes // 2

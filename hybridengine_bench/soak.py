@@ -8,9 +8,9 @@ max_tokens drawn from 64-256 (temperature 1, no stop tokens: every response is m
 seeded per step (--seed), so every run sees the same sequence of shapes. CPU (the harness check): a tiny
 model, 2 prompts of 4-12 tokens x 2 samples x 2-6 tokens.
 
-    python -m hybridengine_bench soak --minutes 8                     # qwen2.5-1.5b on one GPU until the budget is spent
+    python -m hybridengine_bench soak --minutes 8                    # qwen2.5-1.5b on one GPU until the budget is spent
     python -m hybridengine_bench soak --minutes 4 --alloc-conf default --alloc-conf expandable_segments:True
-    python -m hybridengine_bench soak --cpu --steps 3                 # tiny-qwen2 on CPU
+    python -m hybridengine_bench soak --cpu --steps 3                # tiny-qwen2 on CPU
 
 `--alloc-conf` runs one child process per value with PYTORCH_CUDA_ALLOC_CONF set ('default': unset),
 one after the other, under one run id: the allocator reads the variable once, at CUDA initialisation, so
@@ -96,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--alloc-conf", action="append", default=None, metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF of a run in its own process ('default': unset); repeat to compare")
     p.add_argument("--out", default=os.environ.get("HE_BENCH_RESULTS", str(RESULTS)),
-                   help="rows file to append to (default $HE_BENCH_RESULTS or hybridengine_bench/results/results.jsonl)")
+                   help="rows file to append to "
+                        "(default $HE_BENCH_RESULTS or hybridengine_bench/results/results.jsonl)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA is available")
     return p
 
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_children(args) -> int:
-    """One `python -m hybridengine_bench.soak` per --alloc-conf value, in turn; the first nonzero exit status (0 if none)."""
+    """One `python -m hybridengine_bench.soak` per --alloc-conf value, in turn; the first nonzero exit status
+    (0 if none)."""
     common = ["--minutes", str(args.minutes), "--seed", str(args.seed), "--out", args.out,
               *(["--steps", str(args.steps)] if args.steps else []), *(["--model", args.model] if args.model else []),
               *(["--fixed-shapes"] if args.fixed_shapes else []), *(["--cpu"] if args.cpu else [])]

@@ -140,12 +140,13 @@ def switch(ctx: Ctx) -> None:
             after_gap = ctx.slowest(after_gap)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen",
                                                            "after_idle_s": IDLE_GAP_S}, "seconds", after_gap)
-            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen", "after_idle_s": IDLE_GAP_S,
-                                                           "pages": "mapped ahead"}, "seconds", ctx.slowest(ahead))
+            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen",
+                                                           "after_idle_s": IDLE_GAP_S, "pages": "mapped ahead"},
+                        "seconds", ctx.slowest(ahead))
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "train_to_gen"}, "seconds", to_gen)
             ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train"}, "seconds", to_train)
-            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train", "until": "pages released"},
-                        "seconds", released)
+            ctx.rec.add("switch", "hybridengine", model, {**case, "direction": "gen_to_train",
+                                                           "until": "pages released"}, "seconds", released)
             ctx.rec.add("switch_detail", "hybridengine", model, {**case, "direction": "train_to_gen",
                                                                  "what": "host wall incl. barrier"}, "seconds", host)
             if driver:
@@ -170,18 +171,19 @@ def switch(ctx: Ctx) -> None:
             ctx.rec.add("switch_memory", "hybridengine", model, {**case, "after": "100 round trips",
                                                                  "before_GiB": before / GiB}, "peak_GiB", after / GiB)
             ctx.log(f"  switch {model} tg={tp}: train->gen {quantiles(to_gen)[1] * 1e3:.2f} ms, gen->train "
-                    f"{quantiles(to_train)[1] * 1e3:.3f} ms (pages released after {quantiles(released)[1] * 1e3:.2f} ms), "
-                    f"{recv_bytes / 1e9:.2f} GB received per rank, "
-                    f"peak torch {pm.torch_gib:.2f} / nvml {pm.nvml_gib:.2f} GiB ({pm.nvml_gib - baseline:.2f} over the "
-                    f"{baseline:.2f} GiB before the buffer; model/tg {gen_bytes / GiB:.2f} GiB), "
+                    f"{quantiles(to_train)[1] * 1e3:.3f} ms (pages released after "
+                    f"{quantiles(released)[1] * 1e3:.2f} ms), {recv_bytes / 1e9:.2f} GB received per rank, "
+                    f"peak torch {pm.torch_gib:.2f} / nvml {pm.nvml_gib:.2f} GiB ({pm.nvml_gib - baseline:.2f} "
+                    f"over the {baseline:.2f} GiB before the buffer; model/tg {gen_bytes / GiB:.2f} GiB), "
                     f"mapped {before / GiB:.2f} -> {after / GiB:.2f} GiB after 100 trips")
             if driver:
                 ctx.log(f"    train->gen per call (ms): GPU {' '.join(f'{t * 1e3:.1f}' for t in to_gen)}; "
                         f"driver {' '.join(f'{t * 1e3:.1f}' for t in driver)}")
-                ctx.log(f"    after {IDLE_GAP_S} s idle: train->gen {quantiles(after_gap)[1] * 1e3:.2f} ms; per call GPU "
-                        f"{' '.join(f'{t * 1e3:.1f}' for t in after_gap)}; driver "
+                ctx.log(f"    after {IDLE_GAP_S} s idle: train->gen {quantiles(after_gap)[1] * 1e3:.2f} ms; "
+                        f"per call GPU {' '.join(f'{t * 1e3:.1f}' for t in after_gap)}; driver "
                         f"{' '.join(f'{t * 1e3:.1f}' for t in gap_driver)}")
-                ctx.log(f"    after {IDLE_GAP_S} s idle, pages mapped ahead: train->gen {quantiles(ahead)[1] * 1e3:.2f} ms")
+                ctx.log(f"    after {IDLE_GAP_S} s idle, pages mapped ahead: train->gen "
+                        f"{quantiles(ahead)[1] * 1e3:.2f} ms")
             if tp == 1:
                 _batch_sweep(ctx, buf, model, case)
             buf.close()
@@ -312,7 +314,8 @@ def _pipelined(ctx: Ctx, model: str, specs, dtype, layers: int = 4, lookahead: i
         sweep = tp > 1 and bool(os.environ.get("HE_UNPACK_SWEEP"))
         for blocks in [default] + (list(UNPACK_BLOCKS_SWEEP) if sweep else []):
             buf.prefetch_unpack_blocks = blocks
-            label = name + ("" if blocks == default else f", unpack <= {blocks} blocks" if blocks else ", unpack unbounded")
+            label = name + ("" if blocks == default
+                            else f", unpack <= {blocks} blocks" if blocks else ", unpack unbounded")
             times = [t / n for t in ctx.measure(run, warmup=3, repeats=20, desc=f"pipelined {label}")]
             case = dict(tg=tp, unit="layers.0", MB=round(unit_bytes / 1e6, 1), unpack=tp > 1, pipelined=n) | variant
             case |= {"lookahead": lookahead} if lookahead is not None else {}

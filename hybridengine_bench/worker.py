@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, requests, sampler, segment_copy, switch, train, trl
+from . import (e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, requests,
+               sampler, segment_copy, switch, train, trl)
 from . import train_step as loss_hook
 from .common import Ctx, Recorder, release_memory
 
@@ -95,8 +96,9 @@ SUITES: dict[str, list[str]] = {
     "long_tail": ["long_tail"],
     "request_api": ["request_api"],
 }
-DEFAULT_MODELS = {"smoke": ["tiny-qwen2"], **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer",
-                                                                       "offload_deepspeed", "offload_zero")}}
+DEFAULT_MODELS = {"smoke": ["tiny-qwen2"],
+                  **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer", "offload_deepspeed",
+                                               "offload_zero")}}
 
 
 def run(suite: str, *, models: list[str], scale: float, out: Path, run_id: str, cpu: bool) -> None:

@@ -86,7 +86,8 @@ def main():
     assert calls > 0
     assert got == ref, "symm_mem generation differs from nccl"
     if rank == 0:
-        print(f"dist_generate: greedy generation tg={world} symm_mem == nccl ({calls} symm_mem calls): passed", flush=True)
+        print(f"dist_generate: greedy generation tg={world} symm_mem == nccl ({calls} symm_mem calls): passed",
+              flush=True)
     # greedy through the vocab-parallel fused sampler (auto on CUDA; tiny-qwen2's 64 rows per rank) and
     # through the gathered logits + torch sampler: the same tokens, log-probs to fp32 rounding
     plain, _ = generate(world, "symm_mem", sampler="torch")

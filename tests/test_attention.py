@@ -122,8 +122,9 @@ def gpu_exp2_error(v_cache: torch.Tensor, table: torch.Tensor, lens, block_n: in
         return 0.0
     tiles = math.ceil(max(int(n) for n in lens) / block_n)
     block_size = v_cache.shape[1]
+    # visible values only: the rest is poison
     top = max((PA._gather_keys(v_cache, table[b, :math.ceil(n / block_size)], n).abs().max().item()
-               for b, n in enumerate(int(n) for n in lens) if n), default=0.0)  # visible values only: the rest is poison
+               for b, n in enumerate(int(n) for n in lens) if n), default=0.0)
     return 2 * (tiles + 1) * 2.0**-23 * top
 
 
@@ -171,7 +172,8 @@ def test_store_kv_matches_reference(device, num_kv_heads, head_dim, block_size, 
     num_tokens, num_q_heads, num_blocks = 13, 2 * num_kv_heads, 4
     # key/value as views of a fused QKV projection output: token stride != num_kv_heads * head_dim
     qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
-    key = qkv[:, num_q_heads * head_dim:(num_q_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    key = (qkv[:, num_q_heads * head_dim:(num_q_heads + num_kv_heads) * head_dim]
+           .view(num_tokens, num_kv_heads, head_dim))
     value = qkv[:, (num_q_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     slots[[0, 5, 12]] = -1  # padding tokens, first, middle and last

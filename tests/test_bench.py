@@ -51,8 +51,9 @@ def run_suite(tmp_path: Path, suite: str, scale: float, timeout: int, **env_vars
     against the schema."""
     out = tmp_path / "rows.jsonl"
     env = bench_env(**env_vars)
-    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "run", "--suite", suite, "--scale", str(scale), "--cpu",
-                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "run", "--suite", suite, "--scale", str(scale),
+                           "--cpu", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     for row in rows:
@@ -63,7 +64,8 @@ def run_suite(tmp_path: Path, suite: str, scale: float, timeout: int, **env_vars
 def test_smoke_suite_rows(tmp_path):
     rows = run_suite(tmp_path, "smoke", 0.2, 120)
     assert len({r["run_id"] for r in rows}) == 1
-    failed = [r["case"]["reason"] for r in rows if r["metric"] == "not_run" and r["case"]["reason"].startswith("failed")]
+    failed = [r["case"]["reason"] for r in rows
+              if r["metric"] == "not_run" and r["case"]["reason"].startswith("failed")]
     assert not failed, failed
     measured = {(r["bench"], r["provider"]) for r in rows if r["metric"] != "not_run"}
     for key in [("hbm_copy", "torch_copy"), ("gemm", "torch_matmul"), ("generate", "hf_generate"),
@@ -171,9 +173,9 @@ def test_offload_optimizer_suite_runs_the_modes_it_is_given(tmp_path):
     rows = run_suite(tmp_path, "offload_optimizer", 0.3, 180, HE_BENCH_OFFLOAD_MODES="optimizer")
     assert {r["case"]["offload"] for r in rows if r["case"].get("part") == "max_micro_batch"} == {"optimizer"}
     env = bench_env(HE_BENCH_OFFLOAD_MODES="none,optimiser")
-    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "run", "--suite", "offload_optimizer", "--cpu", "--out",
-                           str(tmp_path / "bad.jsonl")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "run", "--suite", "offload_optimizer", "--cpu",
+                           "--out", str(tmp_path / "bad.jsonl")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
     assert "HE_BENCH_OFFLOAD_MODES names offload modes" in proc.stdout + proc.stderr
 
 
@@ -214,8 +216,9 @@ def test_soak_rows_on_cpu(tmp_path):
     out = tmp_path / "rows.jsonl"
     env = bench_env()
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "soak", "--cpu", "--model", "tiny-qwen2", "--steps", "3",
-                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-m", "hybridengine_bench", "soak", "--cpu", "--model", "tiny-qwen2",
+                           "--steps", "3", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     for row in rows:
@@ -322,7 +325,8 @@ def synthetic_rows(path: Path) -> None:
     rec.add("decode_step", "floor", "qwen2-7b", {"case": "rollout", "batch_per_gpu": 64, "mean_context": 192,
                                                 "hbm_GBps": 4210.0, "weights_GiB": 14.2}, "seconds", 0.004)
     pa = {"batch": 128, "context": 1024, "kv_bytes": 2**28}
-    rec.add("paged_attention", "hybridengine", "qwen2-7b", {**pa, "split": "auto", "num_partitions": 1}, "seconds", [8e-5])
+    rec.add("paged_attention", "hybridengine", "qwen2-7b", {**pa, "split": "auto", "num_partitions": 1}, "seconds",
+            [8e-5])
     rec.add("paged_attention", "hybridengine", "qwen2-7b", {**pa, "split": "auto", "num_partitions": 1}, "GB_per_s",
             [2**28 / 8e-5 / 1e9])
     rec.add("paged_attention", "sdpa_dense", "qwen2-7b", pa, "seconds", [1e-4])
@@ -356,9 +360,9 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
     text = report(rows, tmp_path / "out", readme).read_text()
-    for heading in ("## Key ratios", "## Floors", "## Train -> generate switch", "## Unit gather", "## Rollout generation",
-                    "## Train step", "## Segment copy", "## Sampler", "## Paged decode attention", "## Prefill attention",
-                    "## PPO / GRPO loss",
+    for heading in ("## Key ratios", "## Floors", "## Train -> generate switch", "## Unit gather",
+                    "## Rollout generation", "## Train step", "## Segment copy", "## Sampler",
+                    "## Paged decode attention", "## Prefill attention", "## PPO / GRPO loss",
                     "## Other benches", "## Not run", "## Retired variants", "## Runs"):
         assert heading in text
     # Ratios inside run r1: floor 6 * 7.6e9 * 4096 / 790 TFLOP/s = 0.236 s; fsdp2 0.51 s / 1.0 s = 0.51.
@@ -371,15 +375,17 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     # Switch, all in r1: 31.5 ms / NCCL 25 ms = 1.26; after idle 27.5 / 25 = 1.10; pages mapped ahead 26 / 25 = 1.04;
     # ZeRO-3 47.25 ms / 31.5 = 1.50; FSDP2 52.5 / 31.5 = 1.67.
     assert ("| qwen2-7b | 1 | 31.5 ms (31.5–31.5) | 7.00 ms (7.00–7.00) | – | 7.60 | – | 25.0 ms (25.0–25.0) | 1.26 | "
-            "27.5 ms (27.5–27.5), 1.10 | 26.0 ms (26.0–26.0), 1.04 | 1.50 | 1.67 | 16.3 (14.2), +14.9 over 1.40 | 7.10 → 7.10 | r1 |") in text
-    assert "| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | – | – | – | – | – |" in text
+            "27.5 ms (27.5–27.5), 1.10 | 26.0 ms (26.0–26.0), 1.04 | 1.50 | 1.67 | 16.3 (14.2), +14.9 over 1.40 | "
+            "7.10 → 7.10 | r1 |") in text
+    assert ("| qwen2-7b | 2 | 24.0 us (24.0–24.0) | 28.0 us (28.0–28.0) | – | 0 | – | no bytes move | "
+            "– | – | – | – | – |") in text
     # Unit gather: 225 / 250 GB/s = 0.90; FSDP2 2.1 ms / 1.05 ms = 2.00.
     assert "| qwen2-7b | 470 | hybridengine tg=1 | 1.05 ms (1.05–1.05) | 225 | 0.90 | 2.00 | r1 |" in text
     assert "tg=2" not in text.split("## Unit gather")[1].split("## ")[0] and "1.70 ms" not in text
     assert "| ShardedBuffer(direct_gather=True) | 1 | r1 |" in text
     # Generate: one GPU at 2,700 tok/s vs the peers' per-GPU rates of run r1 (2 GPUs), marked as another run.
-    assert ("| qwen2-7b | rollout (n=1, tg=1) | 64 x 128 | 2,700 (2,700–2,700) | 1 | 2,700 | 6.00 ms | 4.00 ms [1] | 1.50 | "
-            "3.00 [2] | – | 6.00 [3] | – | r2 |") in text
+    assert ("| qwen2-7b | rollout (n=1, tg=1) | 64 x 128 | 2,700 (2,700–2,700) | 1 | 2,700 | 6.00 ms | 4.00 ms [1] | "
+            "1.50 | 3.00 [2] | – | 6.00 [3] | – | r2 |") in text
     assert "[2] other run: hf_generate qwen2-7b from run r1 (2 x NVIDIA H200), not from run r2." in text
     # Decode attention: 80 us vs SDPA 100 us = 1.25; 3,355 GB/s / 4,000 GB/s HBM copy = 0.84.
     assert "| 128 | 1,024 | 256 MiB | 80.0 (1) | 3,355 | – | – | 100 | 2,684 | – | – | 1.25 | 0.84 |" in text
@@ -403,20 +409,22 @@ def test_report_from_synthetic_rows(tmp_path, capsys):
     for line in ("| Switch train->gen time / NCCL all-gather of the same 7.60 GB per rank, qwen2-7b tg=1 | 31.5 ms | "
                  "25.0 ms | 1.26 | <= 1.15 | 2 x H200, r1 |",
                  "| Switch train->gen with its pages mapped ahead (`prepare_generation()` during the training step) / "
-                 "NCCL all-gather of the same bytes, qwen2-7b tg=1 | 26.0 ms | 25.0 ms | 1.04 | <= 1.15 | 2 x H200, r1 |"):
+                 "NCCL all-gather of the same bytes, qwen2-7b tg=1 | 26.0 ms | 25.0 ms | 1.04 | <= 1.15 | "
+                 "2 x H200, r1 |"):
         assert line in new and line in text, line
     assert "Segment copy" not in new and "Decode step" not in new
     for line in ("| Switch train->gen time / NCCL all-gather of the same 7.60 GB per rank, qwen2-7b tg=1 | 31.5 ms | "
                  "25.0 ms | 1.26 | <= 1.15 | 2 x H200, r1 |",
-                 "| Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, qwen2-7b tg=1 | 31.5 ms | 47.2 ms | 1.50x |",
+                 "| Switch speed vs DeepSpeed ZeRO-3 gather of every parameter, qwen2-7b tg=1 | "
+                 "31.5 ms | 47.2 ms | 1.50x |",
                  "| Switch train->gen 0.5 s after the last release (a training step between the switches) / NCCL "
                  "all-gather of the same bytes, qwen2-7b tg=1 | 27.5 ms | 25.0 ms | 1.10 | <= 1.15 | 2 x H200, r1 |",
                  "| Segment copy GB/s / `copy_` GB/s, 64 MiB (layer_unpack; range over 1 table pattern) | 2,805 GB/s | "
                  "3,300 GB/s | 0.85 (0.85–0.85) | – | 2 x H200, r1 |",
                  "| Rollout tok/s per GPU / DeepSpeed gather-once, qwen2-7b, 64 prompts x 128 new tokens per GPU | "
                  "2,700 tok/s | 450 tok/s | 6.00x | – | 1 x H200, r2; deepspeed_gather_once: other run r1 (2 GPUs) |",
-                 "| Decode step / its floor (weights + KV bytes at HBM bandwidth), qwen2-7b, 64 sequences at mean context 192 | 6.00 ms | "
-                 "4.00 ms | 1.50 | <= 1.5 | 1 x H200, r2 |",
+                 "| Decode step / its floor (weights + KV bytes at HBM bandwidth), qwen2-7b, 64 sequences at mean "
+                 "context 192 | 6.00 ms | 4.00 ms | 1.50 | <= 1.5 | 1 x H200, r2 |",
                  "| 200 ms (2.00 GiB) | 300 ms (90.0 GiB) | 1.50x | – | 1 x H200, r2 |"):
         assert line in text, line
 
@@ -463,7 +471,8 @@ def test_profile_train_runs_on_cpu(tmp_path):
     """hybridengine_bench.probes.profile_train on a tiny model: both checkpointing settings, step times and the JSON."""
     from hybridengine_bench.probes.profile_train import main
 
-    result = main(["--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--device", "cpu", "--out", str(tmp_path)])
+    result = main(["--model", "tiny-qwen2", "--seqs", "2", "--seq-len", "12", "--device", "cpu",
+                   "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "profile_train.json").read_text())
     assert saved["settings"].keys() == {"activation_checkpointing_on", "activation_checkpointing_off"}
     for setting in result["settings"].values():

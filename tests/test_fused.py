@@ -344,7 +344,8 @@ def test_rope_train_gradients(device, monkeypatch, dtype):
     angle = torch.rand(5, 16, generator=g) * 50
     cos = torch.cat([angle.cos()] * 2, -1).to(dtype).to(device)
     sin = torch.cat([angle.sin()] * 2, -1).to(dtype).to(device)
-    dq, dk = torch.randn(5, 6, 32, generator=g).to(dtype).to(device), torch.randn(5, 2, 32, generator=g).to(dtype).to(device)
+    dq, dk = (torch.randn(5, 6, 32, generator=g).to(dtype).to(device),
+              torch.randn(5, 2, 32, generator=g).to(dtype).to(device))
     outs, ref_outs = _check_grads(lambda q, k: rope_train(q, k, cos, sin),
                                   lambda q, k: rope_ref(q, k, cos.to(q.dtype), sin.to(q.dtype)), [q, k], (dq, dk))
     assert torch.equal(outs[0], ref_outs[0]) and torch.equal(outs[1], ref_outs[1])

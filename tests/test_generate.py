@@ -148,7 +148,8 @@ def test_decodes_next_predicts_a_plain_decode():
     for blocks, max_seqs in ((40, 8), (10, 8), (40, 3)):
         sched = Scheduler(BlockManager(blocks, 4), max_num_seqs=max_seqs, max_num_batched_tokens=64)
         for i, n in enumerate([5, 9, 2, 7]):
-            sched.add(Sequence(request=i, token_ids=list(range(n)), num_prompt_tokens=n, params=SamplingParams(), fork=2))
+            sched.add(Sequence(request=i, token_ids=list(range(n)), num_prompt_tokens=n,
+                               params=SamplingParams(), fork=2))
         checked = 0
         while not sched.done and checked < 200:
             predicted = sched.decodes_next()
@@ -156,7 +157,8 @@ def test_decodes_next_predicts_a_plain_decode():
             batch = sched.schedule()
             plain = (not batch.is_prefill and batch.seqs == running and sched.num_preemptions == preempted)
             assert predicted == plain or (not predicted and not running), checked
-            seqs = [c for s in batch.seqs for c in (sched.fork(s) if s.fork > 1 else [s])] if batch.is_prefill else batch.seqs
+            seqs = ([c for s in batch.seqs for c in (sched.fork(s) if s.fork > 1 else [s])] if batch.is_prefill
+                    else batch.seqs)
             for seq in seqs:
                 seq.token_ids.append(1)
                 if seq.num_tokens >= 22:
@@ -169,7 +171,8 @@ def test_decodes_next_predicts_a_plain_decode():
     ([[]], SamplingParams(), r"prompts\[0\] is empty"),
     ([[1, 2], [3, 10_000]], SamplingParams(), r"prompts\[1\] has token id 10000 outside the vocabulary"),
     ([[1, -1]], SamplingParams(), "outside the vocabulary"),
-    ([[1] * 60], SamplingParams(max_tokens=10), r"prompts\[0\]: prompt length 60 \+ max_tokens 10 exceeds max_model_len=64"),
+    ([[1] * 60], SamplingParams(max_tokens=10),
+     r"prompts\[0\]: prompt length 60 \+ max_tokens 10 exceeds max_model_len=64"),
     ([], SamplingParams(), "non-empty list"),
     ([[1]], [SamplingParams(), SamplingParams()], "2 given for 1 prompts"),
 ])
@@ -199,7 +202,8 @@ def test_generate_outside_rollout_and_bad_params():
         he.EngineConfig(tp_all_reduce="ring")
     for kwargs, match in [(dict(max_tokens=2.5), "max_tokens"), (dict(n=True), "n must be"),
                           (dict(temperature="hot"), "temperature"), (dict(top_p=float("nan")), "top_p"),
-                          (dict(seed="7"), "seed must be None or an int"), (dict(stop_token_ids=("a",)), "stop_token_ids")]:
+                          (dict(seed="7"), "seed must be None or an int"),
+                          (dict(stop_token_ids=("a",)), "stop_token_ids")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kwargs)
     for kwargs, match in [(dict(dtype=torch.int64), "dtype must be a floating torch.dtype"),
@@ -340,7 +344,8 @@ SAMPLER_CASES = {
 
 
 def _generators(params, offset=0):
-    return [torch.Generator().manual_seed(100 + offset + i) if p.seed is not None else None for i, p in enumerate(params)]
+    return [torch.Generator().manual_seed(100 + offset + i) if p.seed is not None else None
+            for i, p in enumerate(params)]
 
 
 @pytest.mark.parametrize("case", list(SAMPLER_CASES))
@@ -359,7 +364,8 @@ def test_sample_decides_on_the_host(monkeypatch):
     copies = []
     monkeypatch.setattr(sampling, "_to_device", lambda *a: copies.append(a) or _to_device(*a))
     for name in ("__bool__", "item", "tolist"):
-        monkeypatch.setattr(torch.Tensor, name, lambda *a, name=name: pytest.fail(f"sample read a tensor back ({name})"))
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda *a, name=name: pytest.fail(f"sample read a tensor back ({name})"))
     logits = torch.randn(8, 50)
     for params in SAMPLER_CASES.values():
         sample(logits[:len(params)], params, _generators(params))
@@ -411,12 +417,14 @@ def test_decode_inputs_follow_forks_copy_on_write_preemption_and_finishes():
     sched = Scheduler(BlockManager(16, bs), max_num_seqs=6, max_num_batched_tokens=64)
     g = torch.Generator().manual_seed(0)
     for i, (n, fork) in enumerate([(5, 3), (9, 1), (2, 2), (13, 1), (7, 2)]):
-        sched.add(Sequence(request=i, token_ids=list(range(n)), num_prompt_tokens=n, params=SamplingParams(), fork=fork))
+        sched.add(Sequence(request=i, token_ids=list(range(n)), num_prompt_tokens=n,
+                           params=SamplingParams(), fork=fork))
     decode_steps = copies = 0
     while not sched.done:
         batch = sched.schedule()
         copies += len(batch.block_copies)
-        seqs = [c for s in batch.seqs for c in (sched.fork(s) if s.fork > 1 else [s])] if batch.is_prefill else batch.seqs
+        seqs = ([c for s in batch.seqs for c in (sched.fork(s) if s.fork > 1 else [s])] if batch.is_prefill
+                else batch.seqs)
         if not batch.is_prefill:
             decode_steps += 1
             for pad_to in (len(seqs), len(seqs) + 2):
@@ -429,7 +437,8 @@ def test_decode_inputs_follow_forks_copy_on_write_preemption_and_finishes():
                 sched.finish(seq, "length")
     assert decode_steps > 20 and sched.num_preemptions > 0 and copies > 0
     # a copy-on-write of the last block of a table the runner already holds (same list, same length)
-    seq = Sequence(request=0, token_ids=list(range(6)), num_prompt_tokens=6, params=SamplingParams(), block_table=[3, 4])
+    seq = Sequence(request=0, token_ids=list(range(6)), num_prompt_tokens=6, params=SamplingParams(),
+                   block_table=[3, 4])
     runner._decode_inputs([seq], 1)
     seq.block_table[-1] = 9
     assert runner._decode_inputs([seq], 1)["slots"].tolist() == [9 * bs + 1]
@@ -476,7 +485,8 @@ def test_sample_returns_exactly_what_the_reference_returns_on_cuda(case):
     logits = torch.randn(len(params), 151936, device="cuda") * 3
 
     def gens():
-        return [torch.Generator("cuda").manual_seed(100 + i) if p.seed is not None else None for i, p in enumerate(params)]
+        return [torch.Generator("cuda").manual_seed(100 + i) if p.seed is not None else None
+                for i, p in enumerate(params)]
 
     torch.manual_seed(7)
     tokens, logprobs = sample(logits, params, gens())
@@ -530,7 +540,8 @@ def test_cuda_async_scheduling_equals_sync(graphs):
     prompts = prompts_for(engine.vocab_size, [3, 9, 17, 6, 5])
     params = [SamplingParams(temperature=1.0, max_tokens=20, seed=11),
               SamplingParams(n=3, temperature=0.9, top_k=30, max_tokens=14, seed=3),
-              SamplingParams(temperature=0.0, max_tokens=20), SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=20),
+              SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=5),
               SamplingParams(temperature=0.0, max_tokens=7)]
     with engine.rollout():
         engine.config.async_scheduling = False

@@ -68,7 +68,8 @@ def test_sharded_generation_equals_single_process(name, world, tp):
     spawn(_worker, world, name, tp, expected)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the fused sampler on CPU runs in the interpreter")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused sampler on CPU runs in the interpreter")
 @pytest.mark.parametrize("name,world,tp", [("tiny-qwen2", 2, 2), ("tiny-llama", 4, 2)])
 def test_vocab_parallel_fused_sampling_equals_single_process(name, world, tp):
     hf = build(name)

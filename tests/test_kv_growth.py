@@ -75,7 +75,8 @@ def run(sched, steps=400, length=20):
     while not sched.done and len(batches) < steps:
         batch = sched.schedule()
         batches.append(batch)
-        seqs = [c for s in batch.seqs for c in (sched.fork(s) if s.fork > 1 else [s])] if batch.is_prefill else batch.seqs
+        seqs = ([c for s in batch.seqs for c in (sched.fork(s) if s.fork > 1 else [s])] if batch.is_prefill
+                else batch.seqs)
         for seq in seqs:
             seq.token_ids.append(1)
             if seq.num_tokens >= length:

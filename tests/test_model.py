@@ -211,7 +211,8 @@ def test_model_config_validation():
 def test_model_never_imports_torch_distributed():
     # The model (all of model/ but the TP application), and the flat buffer and layout it is built on,
     # know nothing of sharding: no collectives, no rollout, training or switch.
-    modules = [p.relative_to(Path(he.__file__).parent).as_posix() for p in (Path(he.__file__).parent / "model").glob("*.py")
+    modules = [p.relative_to(Path(he.__file__).parent).as_posix()
+               for p in (Path(he.__file__).parent / "model").glob("*.py")
                if p.name != "tensor_parallel.py"] + ["sharding/buffer.py", "sharding/layout.py"]
     assert "model/decoder.py" in modules
     for module in modules:
@@ -227,6 +228,6 @@ def test_model_never_imports_torch_distributed():
                 continue
             assert not any("distributed" in n for n in names), f"{module}:{node.lineno} uses {names}"
             rooms = ("hybridengine.engine", "hybridengine.rollout", "hybridengine.train",
-                     "hybridengine.sharding.switch", "hybridengine.sharding.generation_memory", "hybridengine.sharding.vmm",
-                     "hybridengine.sharding.checkpoint")
+                     "hybridengine.sharding.switch", "hybridengine.sharding.generation_memory",
+                     "hybridengine.sharding.vmm", "hybridengine.sharding.checkpoint")
             assert not any(n.startswith(rooms) for n in names), f"{module}:{node.lineno} imports {names}"

@@ -42,8 +42,9 @@ def test_philox_ref_equals_triton_randint4x(device):
 def _tolerances(s: torch.Tensor, splits: int, block: int) -> tuple[float, float]:
     """Race-score and log-prob bounds from the rounding of exp/log and of the sums' order.
     The kernel's score log(exp(s - M)) - log(E) + M with |s - M| <= 2 max|s| and |log E| <= 23 (E in
-    [2^-33, 23]): a few ulps of each exp/log -> 16 ulps of (max|s| + 23). lse: each lane adds V / (splits * block) terms, then block lanes and splits merge:
-    (V / block + log2 block + splits + 8) ulps, plus the exp/log ulps of max|s|."""
+    [2^-33, 23]): a few ulps of each exp/log -> 16 ulps of (max|s| + 23). lse: each lane adds
+    V / (splits * block) terms, then block lanes and splits merge: (V / block + log2 block + splits + 8)
+    ulps, plus the exp/log ulps of max|s|."""
     u = 2.0**-23
     V = s.shape[1]
     score_tol = 16 * u * (s.abs().max().item() + 23)
@@ -79,7 +80,8 @@ def test_sample_fused_equals_reference(device, dtype, V, splits, block):
     inv_temp = torch.tensor([1.0, 1.0, 1 / 0.7, 2.0, 1.0, 1 / 1.3])
     keys = torch.tensor([5, -1, 2**61 + 3, 17, -1, 2**40], dtype=torch.int64)
     draws = torch.tensor([0, 0, 9, 123456, 0, 2], dtype=torch.int32)
-    tok, _ = _check_against_ref(logits.to(device), inv_temp.to(device), keys.to(device), draws.to(device), splits, block)
+    tok, _ = _check_against_ref(logits.to(device), inv_temp.to(device), keys.to(device), draws.to(device),
+                                splits, block)
     assert tok[1] == V // 3
 
 

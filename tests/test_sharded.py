@@ -74,7 +74,8 @@ def check_sharded_buffer(rank, world_size, model, dtype, device="cpu", **buffer_
         buf.switch_to_generation()
         views = buf.generation_views()
         for s in specs:
-            assert torch.equal(views[s.name].cpu(), reference_tp_slice(params[s.name].cpu(), s.role, t, tp)), (tp, s.name)
+            assert torch.equal(views[s.name].cpu(),
+                               reference_tp_slice(params[s.name].cpu(), s.role, t, tp)), (tp, s.name)
         buf.switch_to_training()
 
         # Generation pages kept mapped between rollouts (release=False): the next switch only all-gathers
@@ -223,7 +224,8 @@ def test_failed_mapping_leaves_training_state(monkeypatch):
 
         monkeypatch.setattr(GenerationBuffer, "map_unit", failing_map)
         monkeypatch.setattr(GenerationBuffer, "unmap_unit", lambda self, u, offsets=None: unmapped.append((u, offsets)))
-        with pytest.raises(RuntimeError, match=r"rank 0: switch_to_generation could not map unit 'layers.1'.*OUT_OF_MEMORY"):
+        with pytest.raises(RuntimeError,
+                           match=r"rank 0: switch_to_generation could not map unit 'layers.1'.*OUT_OF_MEMORY"):
             buf.switch_to_generation()
         # Only what this call mapped is unmapped again: never pages kept from an earlier switch.
         assert buf.state == "training" and unmapped == [(1, [1000])]

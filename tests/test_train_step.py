@@ -281,7 +281,8 @@ def test_bad_arguments_raise_before_any_work():
     with pytest.raises(ValueError, match="TrainConfig: temperature must be"):
         engine.train_step(batch, _ok_loss, cfg)
     # extra fields: shape, dtype, names, finiteness; checked at construction and again by the step
-    with pytest.raises(ValueError, match=r"PPOBatch.extra\['w'\]\[1\] has 2 entries; expected len\(input_ids\[1\]\) - 1"):
+    with pytest.raises(ValueError,
+                       match=r"PPOBatch.extra\['w'\]\[1\] has 2 entries; expected len\(input_ids\[1\]\) - 1"):
         he.PPOBatch(input_ids=ids, extra={"w": [torch.ones(5), torch.ones(2)]})
     with pytest.raises(ValueError, match=r"PPOBatch.extra\['w'\]\[0\] must be a 1-D tensor"):
         he.PPOBatch(input_ids=ids, extra={"w": [torch.ones(5, 2), torch.ones(3)]})

@@ -382,8 +382,9 @@ def _worker(rank, world, init_file, tp, overrides, batches, ref, checkpointing, 
 
 
 # N = 8 runs two cases (45-50 s each on the 2-core CI machine): tg 1 and 4 take the code paths they take at N = 4.
-@pytest.mark.parametrize("world,tp,checkpointing", [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True),
-                                                    (2, 1, False), (4, 2, False), (8, 2, False), (8, 8, False)])
+@pytest.mark.parametrize("world,tp,checkpointing",
+                         [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True),
+                          (2, 1, False), (4, 2, False), (8, 2, False), (8, 8, False)])
 def test_data_parallel_matches_torch_reference(world, tp, checkpointing):
     """checkpointing False: activations kept, parameters re-gathered in backward (saved-tensor hooks).
     N = 8 (gloo) is the CPU part of the scaling issue: every tg, micro-DP groups of 8, 4, 2 and 1."""
@@ -427,7 +428,8 @@ def test_critic_matches_torch_reference():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
-        torch.testing.assert_close(torch.tensor(stats["loss"], dtype=torch.float64), loss.detach().double(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(stats["loss"], dtype=torch.float64), loss.detach().double(),
+                                   rtol=1e-5, atol=1e-6)
     weights = full_weights(engine)
     torch.testing.assert_close(weights["score.weight"], score.detach(), rtol=1e-5, atol=1e-5)
     for name, p in backbone.named_parameters():
@@ -495,7 +497,8 @@ def test_released_params_never_read_the_old_buffer():
     with torch.autograd.graph.saved_tensors_hooks(pack, slots.unpack):
         out = layer(params, xi)
     assert sum(isinstance(p, tuple) for p in packed) >= 3  # every weight use was saved by reference
-    assert not any(isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() == natural.untyped_storage().data_ptr()
+    assert not any(isinstance(p, torch.Tensor)
+                   and p.untyped_storage().data_ptr() == natural.untyped_storage().data_ptr()
                    for p in packed)
     slots.release()
     assert all(p.numel() == 0 for p in params.values())
@@ -541,7 +544,8 @@ def test_scoring_engine_holds_no_optimizer_state():
     assert report["optimizer"] == 0 and report["gradients"] == 0
     assert not engine.trainer.has_optimizer and engine.trainer.held_gradients == []
     engine.ppo_step(he.PPOBatch(input_ids=batch.input_ids, response_mask=[torch.ones(5), torch.ones(3)],
-                                old_logprobs=[torch.zeros(5), torch.zeros(3)], advantages=[torch.ones(5), torch.ones(3)]))
+                                old_logprobs=[torch.zeros(5), torch.zeros(3)],
+                                advantages=[torch.ones(5), torch.ones(3)]))
     report = engine.memory_report()
     numel = engine.sharded.layout.shard_numel
     assert report["gradients"] == 0

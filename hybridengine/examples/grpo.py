@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             torch.cuda.set_device(int(__import__("os").environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    dtype = (getattr(torch, args.dtype) if args.dtype
+             else (torch.bfloat16 if torch.cuda.is_available() else torch.float32))
     source = source_for(args)
     engine_config = he.EngineConfig(dtype=dtype, max_model_len=64 if not args.model else 4096,
                                     max_num_seqs=args.prompts * args.n, seed=args.seed, cuda_graphs=False,

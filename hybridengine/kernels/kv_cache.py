@@ -38,8 +38,10 @@ def store_kv_kernel(
 
     k = tl.load(Key + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(Value + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    k_dst = K_cache + block * stride_kc_block + offset * stride_kc_slot + heads[:, None] * stride_kc_head + dims[None, :]
-    v_dst = V_cache + block * stride_vc_block + offset * stride_vc_slot + heads[:, None] * stride_vc_head + dims[None, :]
+    k_dst = (K_cache + block * stride_kc_block + offset * stride_kc_slot
+             + heads[:, None] * stride_kc_head + dims[None, :])
+    v_dst = (V_cache + block * stride_vc_block + offset * stride_vc_slot
+             + heads[:, None] * stride_vc_head + dims[None, :])
     tl.store(k_dst, k, mask=mask)
     tl.store(v_dst, v, mask=mask)
 

@@ -46,7 +46,8 @@ class Kernels(Enum):
     """Inference (no autograd): the kernels of hybridengine.ops (rms_norm, silu_mul), each residual add inside the
     next norm's kernel, one GEMM for q/k/v and one for gate/up, RoPE inside the KV store."""
     TRAIN = "train"
-    """Training: the autograd ops of hybridengine.ops (rms_norm_train, rope_train, silu_mul_train) for the norms, RoPE and SiLU * up."""
+    """Training: the autograd ops of hybridengine.ops (rms_norm_train, rope_train, silu_mul_train) for the norms,
+    RoPE and SiLU * up."""
 
 
 EXACT_ROW_SPLITS = 2
@@ -82,7 +83,8 @@ class VocabSlice(Protocol):
         """This rank's logits [..., rows] -> the whole vocabulary's [..., vocab_size] (a TP collective)."""
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [..., head_dim] for positions [...], computed in fp32 and rounded to `dtype` (as HF)."""
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -365,7 +367,8 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin)
         return self.model.norm(x)
 
-    def hidden_states_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: FlatAttention) -> torch.Tensor:
+    def hidden_states_paged(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                            attn: FlatAttention) -> torch.Tensor:
         """The rollout's forward over flat tokens: input_ids/positions [N] -> final-normed hidden [N, H].
 
         `attn` (the runner's attention metadata) owns the paged KV cache and the attention kernels and

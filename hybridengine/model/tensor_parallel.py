@@ -74,8 +74,9 @@ class SymmAllReduce(GroupAllReduce):
     before (each call's kernel starts with a barrier over the group). `linear` computes x @ w.T into
     the buffer and reduces from there into a fresh tensor; `all_reduce_` reduces a tensor in place (one
     copy in). Either takes the group's own all-reduce (NCCL) for a message over `capacity` elements.
-    Every rank must make the same sequence of calls (true of a TP forward). Bitwise equal to NCCL's sum at tg = 2 (one add of two
-    values, rounded once); at tg > 2 the order of the adds may differ from NCCL's ring.
+    Every rank must make the same sequence of calls (true of a TP forward). Bitwise equal to NCCL's sum
+    at tg = 2 (one add of two values, rounded once); at tg > 2 the order of the adds may differ from
+    NCCL's ring.
     """
 
     def __init__(self, group, *, capacity: int, dtype: torch.dtype, device: torch.device):
@@ -123,7 +124,8 @@ class SymmAllReduce(GroupAllReduce):
         return self._reduce(buf, x)
 
 
-def make_all_reduce(mode: str, group, *, capacity: int, dtype: torch.dtype, device: torch.device) -> SymmAllReduce | None:
+def make_all_reduce(mode: str, group, *, capacity: int, dtype: torch.dtype,
+                    device: torch.device) -> SymmAllReduce | None:
     """The symmetric-memory all-reduce for `mode` ('auto': on CUDA when torch's symmetric memory sets
     up; 'symm_mem': required; 'nccl': None, plain dist.all_reduce)."""
     if mode not in TP_ALL_REDUCE:

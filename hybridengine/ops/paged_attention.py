@@ -78,10 +78,11 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
 
 def _decode_config(device: torch.device, head_dim: int, split: bool = False, programs: int | None = None) -> dict:
     """The decode kernel's launch (tile BLOCK_N, warps, stages, PREFETCH where it applies). Chosen on the
-    real decode step (`python -m hybridengine_bench.probes.profile_decode --kernel-configs`), which the cold-L2 kernel sweep
-    agrees with: 32-token tiles in 4 stages; a split launch (few sequences, long contexts) takes 128-token
-    tiles in 3 stages (see DECODE_TARGET_WAVES), a launch of few programs the register prefetch (see
-    DECODE_PREFETCH_PROGRAMS). Under the interpreter, 32-token tiles and one stage keep the tests fast."""
+    real decode step (`python -m hybridengine_bench.probes.profile_decode --kernel-configs`), which the
+    cold-L2 kernel sweep agrees with: 32-token tiles in 4 stages; a split launch (few sequences, long
+    contexts) takes 128-token tiles in 3 stages (see DECODE_TARGET_WAVES), a launch of few programs the
+    register prefetch (see DECODE_PREFETCH_PROGRAMS). Under the interpreter, 32-token tiles and one stage
+    keep the tests fast."""
     if device.type != "cuda":
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
     if head_dim <= 128 and split:

@@ -73,9 +73,9 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _prefill_config(q: torch.Tensor) -> dict:
-    """The kernel's launch: on CUDA the launch sweep's best (`python -m hybridengine_bench run --suite prefill_attention`):
-    64 x 64 tiles, 4 warps, 3 stages; under the interpreter, 16 x 16 tiles so that the tests' short
-    sequences still span several tiles."""
+    """The kernel's launch: on CUDA the launch sweep's best
+    (`python -m hybridengine_bench run --suite prefill_attention`): 64 x 64 tiles, 4 warps, 3 stages;
+    under the interpreter, 16 x 16 tiles so that the tests' short sequences still span several tiles."""
     if q.device.type == "cuda":
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -86,7 +86,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              sliding_window: int | None = None, max_seqlen_q: int, max_seqlen_k: int,
                              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """`prefill_attention` with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1). `config` overrides
-    the launch of `_prefill_config` (BLOCK_M, BLOCK_N, num_warps, num_stages); see hybridengine/kernels/prefill_attention.py."""
+    the launch of `_prefill_config` (BLOCK_M, BLOCK_N, num_warps, num_stages); see
+    hybridengine/kernels/prefill_attention.py."""
     import triton
 
     from hybridengine.kernels.prefill_attention import prefill_attention_kernel

@@ -79,7 +79,8 @@ def _check_fused_args(logits, inv_temp, keys, draws) -> None:
                             ("draws", draws, (torch.int32, torch.int64))):
         if not isinstance(t, torch.Tensor) or t.shape != (B,) or t.dtype not in dtypes or t.device != logits.device:
             raise ValueError(f"sample_fused: {name} must be a [{B}] {' or '.join(map(str, dtypes))} tensor on "
-                             f"{logits.device}, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                             f"{logits.device}, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
                              f"{' ' + str(t.dtype) + ' on ' + str(t.device) if isinstance(t, torch.Tensor) else ''}")
         if not t.is_contiguous():
             raise ValueError(f"sample_fused: {name} must be contiguous")
@@ -137,8 +138,8 @@ def sample_fused(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tenso
         raise ValueError(f"sample_fused: splits must be an int >= 1, got {splits!r}")
     chunk, splits = fused_chunks(V, splits, block)
     part = torch.empty(5, B, splits, dtype=torch.float32, device=logits.device)  # max, sum, best, column, s
-    sample_partial_kernel[(B, splits)](logits, logits.stride(0), inv_temp, keys, draws, part, n_valid, chunk, col_offset,
-                                       SPLITS=splits, BLOCK=block, num_warps=4)
+    sample_partial_kernel[(B, splits)](logits, logits.stride(0), inv_temp, keys, draws, part, n_valid, chunk,
+                                       col_offset, SPLITS=splits, BLOCK=block, num_warps=4)
     if group is not None and dist.get_world_size(group) > 1:
         n = dist.get_world_size(group)
         parts = [torch.empty_like(part) for _ in range(n)]

@@ -103,7 +103,8 @@ class KVCache:
             self.num_blocks = 0
 
     @staticmethod
-    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -121,8 +122,8 @@ class KVCache:
 
 
 def _shape(config: EngineConfig, model: ModelConfig) -> dict:
-    return dict(num_layers=model.num_hidden_layers, block_size=config.block_size, num_kv_heads=model.num_key_value_heads,
-                head_dim=model.head_dim)
+    return dict(num_layers=model.num_hidden_layers, block_size=config.block_size,
+                num_kv_heads=model.num_key_value_heads, head_dim=model.head_dim)
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.device, *, rank: int = 0) -> int:

@@ -252,9 +252,10 @@ class ModelRunner:
             cu.append(cu[-1] + n - start)
             cu_k.append(cu_k[-1] + n)
             last.append(cu[-1] - 1)
-        meta = AttentionMetadata(self.kv, True, self._tensor(slots), self.scale, cu_seqlens=self._tensor(cu, torch.int32),
-                                 max_seqlen=max(s.num_tokens - s.num_cached_tokens for s in seqs), fused=self.fused,
-                                 exact=self.exact)
+        meta = AttentionMetadata(self.kv, True, self._tensor(slots), self.scale,
+                                 cu_seqlens=self._tensor(cu, torch.int32),
+                                 max_seqlen=max(s.num_tokens - s.num_cached_tokens for s in seqs),
+                                 fused=self.fused, exact=self.exact)
         if cu_k[-1] > cu[-1]:
             meta.cu_seqlens_k = self._tensor(cu_k, torch.int32)
             meta.max_seqlen_k = max(s.num_tokens for s in seqs)
@@ -282,7 +283,8 @@ class ModelRunner:
             self._host_views.clear()
         self._turn = (self._turn + 1) % len(self._staging)
         if self._staged:
-            self._staged[self._turn].synchronize()  # at once in the rollout loop: each step already waited for its tokens
+            # at once in the rollout loop: each step already waited for its tokens
+            self._staged[self._turn].synchronize()
         return self._staging[self._turn][:numel]
 
     def _set_table_row(self, row: int, table: list[int]) -> None:
@@ -316,7 +318,8 @@ class ModelRunner:
         buf = self._next_staging(pad_to)
         v = self._host_views.get((self._turn, pad_to))
         if v is None:
-            v = self._host_views[self._turn, pad_to] = {k: t.numpy() for k, t in self._decode_views(buf, pad_to).items()}
+            v = self._host_views[self._turn, pad_to] = {k: t.numpy()
+                                                        for k, t in self._decode_views(buf, pad_to).items()}
         lens = np.array(lens, dtype=np.int64)
         positions = lens - 1
         block = positions // bs

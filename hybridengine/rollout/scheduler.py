@@ -139,8 +139,9 @@ class Scheduler:
         n, seq.fork = seq.fork, 1
         children = [seq]
         for j in range(1, n):
-            child = Sequence(request=seq.request, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
-                             params=seq.params, sample=j, block_table=self.blocks.share(seq, 1), status=Status.RUNNING)
+            child = Sequence(request=seq.request, token_ids=list(seq.token_ids),
+                             num_prompt_tokens=seq.num_prompt_tokens, params=seq.params, sample=j,
+                             block_table=self.blocks.share(seq, 1), status=Status.RUNNING)
             children.append(child)
         i = self.running.index(seq)
         for k, child in enumerate(children[1:], 1):

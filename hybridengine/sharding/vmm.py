@@ -78,5 +78,6 @@ class VmmRange:
     def tensor(self, dtype: torch.dtype, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
         nbytes = self.size - offset if nbytes is None else nbytes
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
-            raise ValueError(f"VmmRange.tensor: [{offset}, {offset + nbytes}) is outside the reserved {self.size} bytes")
+            raise ValueError(f"VmmRange.tensor: [{offset}, {offset + nbytes}) is outside the reserved "
+                             f"{self.size} bytes")
         return self._range.bytes_tensor(int(offset), int(nbytes)).view(dtype)

@@ -1,6 +1,7 @@
 """Probe: which launch configs of `exact_decode_attention` keep the varlen kernel's bits, and what each costs.
 
-    python -m hybridengine_bench.probes.probe_exact_decode [--out FILE]        (CUDA; --cpu: the harness under the interpreter)
+    python -m hybridengine_bench.probes.probe_exact_decode [--out FILE]
+    (CUDA; --cpu: the harness under the interpreter)
 
 The decode kernel must give each sequence's last token the bits that `exact_attention` (the training kernel)
 gives that row. `forward_tile` makes both kernels share BLOCK_M, BLOCK_N and num_warps (64, 64, 4 on CUDA),

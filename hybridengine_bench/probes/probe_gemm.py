@@ -84,8 +84,8 @@ def per_gemm_seconds(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.T
 
 
 def to_rows(probe: dict, *, run_id: str, time: str, commit: str, versions: dict) -> list[dict]:
-    """Bench rows (hybridengine_bench.common.FIELDS) from a probe_gemm.json: one per timed GEMM (the variant as provider;
-    a config, where the variant had one, in the case) and one "floor" row per shape."""
+    """Bench rows (hybridengine_bench.common.FIELDS) from a probe_gemm.json: one per timed GEMM (the variant as
+    provider; a config, where the variant had one, in the case) and one "floor" row per shape."""
     base = dict(run_id=run_id, time=time, commit=commit, gpu=probe["device"], num_gpus=1, torch=probe["torch"],
                 bench=BENCH)
     rows, floors = [], {}

@@ -1,6 +1,7 @@
 """Probe: what offload "rollout"'s round trip costs on this machine, part by part.
 
-    python -m hybridengine_bench.probes.probe_offload_transfers [--gib 32]      (CUDA; on CPU a harness check with a few MiB)
+    python -m hybridengine_bench.probes.probe_offload_transfers [--gib 32]
+    (CUDA; on CPU a harness check with a few MiB)
 
 bench offload found the GRPO step 38% slower with offload "rollout" at Qwen2-7B (71 GiB of state each way),
 the way back not hidden behind `log_probs`. This probe measures, with state laid out as the optimizer's

@@ -1,6 +1,7 @@
 """Probe: where a decode step's time goes through `engine.step()` and through `generate`.
 
-    python -m hybridengine_bench.probes.probe_request_step [--models M ...]     (CUDA; on CPU the tiny model, a harness check)
+    python -m hybridengine_bench.probes.probe_request_step [--models M ...]
+    (CUDA; on CPU the tiny model, a harness check)
 
 `step()` and `generate` both run `RolloutSession.step` (async decode: step k+1 is launched before step k's
 tokens are read); `step()` adds the outputs of the requests that progressed. If the loop overlaps host and

@@ -49,7 +49,8 @@ def main(argv=None) -> dict:
                     sample_partial_kernel[(B, splits)](logits, logits.stride(0), inv, k, draws, part, VOCAB, chunk, 0,
                                                        SPLITS=splits, BLOCK=block, num_warps=4)
                 q = quantiles(graph_seconds(launch, calls=10))
-                result["rows"].append(dict(batch=B, block=block, splits=splits, variant=name, p20=q[0], p50=q[1], p80=q[2]))
+                result["rows"].append(dict(batch=B, block=block, splits=splits, variant=name,
+                                           p20=q[0], p50=q[1], p80=q[2]))
                 print(f"B={B} block={block} splits={splits} {name}: {q[1] * 1e6:.1f} us")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probe_sampler.json").write_text(json.dumps(result, indent=1))

@@ -1,7 +1,7 @@
 """Probe: where a training step's device memory goes, per offload mode.
 
-    python -m hybridengine_bench.probes.probe_step_memory [--model qwen2-7b] [--modes none optimizer] [--tokens 8192 16384]
-                                      [--reps 3] [--sync-after-forward]
+    python -m hybridengine_bench.probes.probe_step_memory [--model qwen2-7b] [--modes none optimizer]
+                                      [--tokens 8192 16384] [--reps 3] [--sync-after-forward]
     (CUDA; on CPU the tiny model, a harness check: the memory figures read 0 there)
 
 One engine per mode (`EngineConfig.offload`), one warm-up `ppo_step` (the optimizer state exists), then

@@ -146,7 +146,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="see each kernel's host launch (slower steps)")
-    ap.add_argument("--sync", action="store_true", help="async_scheduling off: each step waits for the last one's tokens")
+    ap.add_argument("--sync", action="store_true",
+                    help="async_scheduling off: each step waits for the last one's tokens")
     ap.add_argument("--kernel-configs", default=None,
                     help="instead of profiling, time the decode step with each paged-decode launch config, "
                          "'BLOCK_N:warps:stages:dot16bit[:prefetch],...' (e.g. 32:4:4:1,64:8:1:1:1), one rollout each")
@@ -199,8 +200,8 @@ def main(argv=None) -> dict:
                 * engine.model.flat_buffer.data.element_size())
     floor_ms = (engine.model.flat_buffer.nbytes() + args.batch * (args.prompt + args.new_tokens // 2) * kv_token) \
         / (HBM_GBPS * 1e9) * 1e3
-    result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, tg=args.tg, exact=args.exact,
-                  device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+    result = dict(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, tg=args.tg,
+                  exact=args.exact, device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                   cuda_graphs=cuda and not args.no_cuda_graphs, async_scheduling=not args.sync, unprofiled=plain,
                   floor_ms=floor_ms,
                   **analyse(trace, kinds))
@@ -232,8 +233,10 @@ def _time_kernel_configs(engine, ids, params, args) -> dict:
     try:
         for spec in args.kernel_configs.split(","):
             n, w, s, dot, *prefetch = (int(x) for x in spec.split(":"))
-            config = dict(BLOCK_N=n, num_warps=w, num_stages=s, DOT_16BIT=bool(dot), PREFETCH=bool(prefetch and prefetch[0]))
-            paged_attention._decode_config = lambda device, head_dim, split=False, programs=None, config=config: dict(config)
+            config = dict(BLOCK_N=n, num_warps=w, num_stages=s, DOT_16BIT=bool(dot),
+                          PREFETCH=bool(prefetch and prefetch[0]))
+            paged_attention._decode_config = (lambda device, head_dim, split=False, programs=None, config=config:
+                                              dict(config))
             with engine.rollout():
                 engine.generate(ids, params)  # warm-up and capture
                 steps = []

@@ -9,8 +9,9 @@ the switch's wall time, host time in `map_unit`, GPU time in NCCL kernels (union
 mapping ran while an all-gather was on the GPU, and the GPU's idle time inside the switch. If the
 mapping overlapped the all-gathers, idle ~ the first batch's mapping; if the driver serialises it
 with the GPU's work, idle ~ all of it. With the VMM buffer, the host time of each driver call
-(cuMemCreate, cuMemMap, cuMemSetAccess; VmmRange.timings) says which one costs. Writes DIR/profile_switch.json (rank 0) and a chrome trace
-per variant and rank. On CPU (gloo) it runs for the tests: host ranges only.
+(cuMemCreate, cuMemMap, cuMemSetAccess; VmmRange.timings) says which one costs. Writes
+DIR/profile_switch.json (rank 0) and a chrome trace per variant and rank. On CPU (gloo) it runs for the
+tests: host ranges only.
 """
 
 from __future__ import annotations

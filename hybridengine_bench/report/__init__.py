@@ -1,4 +1,5 @@
-"""`python -m hybridengine_bench report`: rows -> hybridengine_bench/results/report.md, the PNG plots, and the README's one table.
+"""`python -m hybridengine_bench report`: rows -> hybridengine_bench/results/report.md, the PNG plots, and the
+README's one table.
 
 Modules: `rows` (loading, the latest run per bench, peers in the same run), `fmt` (numbers and tables),
 `roofline` (the floors of a run), `retired` (rows of removed variants), one module per section family

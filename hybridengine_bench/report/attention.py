@@ -41,8 +41,9 @@ def paged_attention_section(rows: list[dict]) -> str:
             "one pass. sdpa_dense: `scaled_dot_product_attention` over contiguous K/V. flex_attention: compiled "
             "FlexAttention paged (128-token pages), three shapes only. Speed vs SDPA = SDPA time / hybridengine time; "
             "of HBM copy = hybridengine GB/s / the run's hbm_copy GB/s.\n\n"
-            + table(["batch", "context", "KV", "hybridengine us (splits)", "GB/s", "one_pass us", "GB/s", "sdpa_dense us",
-                     "GB/s", "flex_attention us", "GB/s", "speed vs sdpa_dense", "of HBM copy"], body) + str(notes)
+            + table(["batch", "context", "KV", "hybridengine us (splits)", "GB/s", "one_pass us", "GB/s",
+                     "sdpa_dense us", "GB/s", "flex_attention us", "GB/s", "speed vs sdpa_dense", "of HBM copy"], body)
+            + str(notes)
             + _paged_read_floor_table(rows))
 
 
@@ -71,10 +72,10 @@ def _paged_read_floor_table(rows: list[dict]) -> str:
                      "yes" if floor and sdpa and sdpa / 2 >= floor else "no"])
     return ("\n\n### Read floor of the same bytes (prefetch sweep, run " + run + ")\n\n"
             "read floor: the fastest of four plain Triton kernels reading the case's K/V bytes once, contiguous, cold "
-            "L2 (`hybridengine_bench.paged_attention.cold_read`); hybridengine best: the best of the split counts around the "
-            "automatic plan x the default launch and five register-prefetch launches. \"of floor\": floor time / "
-            "kernel time (1 = at the floor). \"2x SDPA reachable\": whether half of SDPA's time is at or above the "
-            "read floor, i.e. whether any kernel that reads these bytes could be 2x SDPA.\n\n"
+            "L2 (`hybridengine_bench.paged_attention.cold_read`); hybridengine best: the best of the split counts "
+            "around the automatic plan x the default launch and five register-prefetch launches. \"of floor\": floor "
+            "time / kernel time (1 = at the floor). \"2x SDPA reachable\": whether half of SDPA's time is at or above "
+            "the read floor, i.e. whether any kernel that reads these bytes could be 2x SDPA.\n\n"
             + table(["model heads", "batch", "context", "KV", "read floor us", "sdpa_dense us", "hybridengine best us",
                      "best launch", "hybridengine of floor", "sdpa of floor", "2x SDPA reachable"], body))
 

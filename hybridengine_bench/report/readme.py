@@ -21,7 +21,8 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 def _where(r: dict, *others: dict | None) -> str:
     """GPUs and run of r, plus the run of each other row measured elsewhere."""
     out = f"{r['num_gpus']} x {r['gpu'].replace('NVIDIA ', '')}, {r['run_id']}"
-    extra = {(o["provider"], o["run_id"], o["num_gpus"]) for o in others if o is not None and o["run_id"] != r["run_id"]}
+    extra = {(o["provider"], o["run_id"], o["num_gpus"]) for o in others
+             if o is not None and o["run_id"] != r["run_id"]}
     return out + "".join(f"; {p}: other run {rid} ({n} GPUs)" for p, rid, n in sorted(extra))
 
 
@@ -177,8 +178,9 @@ def key_rows(rows: list[dict]) -> list[tuple[list[str], int]]:
     # The decode step against its floor, per model and case (the goal is set at B = 128: the grpo case).
     for g in sorted(gen, key=lambda x: (x["model"], x["case"].get("batch_per_gpu", 0))):
         own = same_tg(in_run(rows, g["run_id"]), g)
-        step = pick(own, bench="decode_step", provider="hybridengine", model=g["model"], case_case=g["case"].get("case"),
-                    case_async_scheduling=g["case"].get("async_scheduling"), case_sampler=g["case"].get("sampler"))
+        step = pick(own, bench="decode_step", provider="hybridengine", model=g["model"],
+                    case_case=g["case"].get("case"), case_async_scheduling=g["case"].get("async_scheduling"),
+                    case_sampler=g["case"].get("sampler"))
         floor = pick(own, bench="decode_step", provider="floor", model=g["model"], case_case=g["case"].get("case"))
         if step and floor and floor["case"].get("batch_per_gpu") == g["case"].get("batch_per_gpu"):
             tg = g["case"].get("tg", 1)
@@ -211,7 +213,8 @@ def key_rows(rows: list[dict]) -> list[tuple[list[str], int]]:
                          f"activation checkpointing: ours {setting}{fused}, peer {'on' if checkpointing(p) else 'off'}")
                 p_mem = twin(rows, p, "peak_GiB", source="torch")
                 add([f"Train step speed vs {label}, {model}, per GPU {ours['case'].get('batch_per_gpu')} x "
-                     f"{ours['case'].get('seq')} tokens, {sides} (peak GiB, torch; ours + the mapped buffer where measured)",
+                     f"{ours['case'].get('seq')} tokens, {sides} "
+                     "(peak GiB, torch; ours + the mapped buffer where measured)",
                      f"{dur(ours['value'])} ({sig(mem and mem['value'])} GiB)",
                      f"{dur(p['value'])} ({sig(p_mem and p_mem['value'])} GiB)",
                      f"{ratio(p['value'], ours['value'])}x", ">= 1.1x" if provider == "fsdp2" else "–",
@@ -258,7 +261,8 @@ def readme_section(rows: list[dict]) -> str:
     headline = sorted((place, i, cells) for i, (cells, place) in enumerate(key_rows(rows)) if place)
     return (table(HEADER, [cells for _, _, cells in headline])
             + "\n\nEach ratio comes from rows of one run unless the last column names another run for the reference. "
-              "All key ratios, full tables, floors, peers and plots: [hybridengine_bench/results/report.md](hybridengine_bench/results/report.md).")
+              "All key ratios, full tables, floors, peers and plots: "
+              "[hybridengine_bench/results/report.md](hybridengine_bench/results/report.md).")
 
 
 def update_readme(readme: Path, section: str) -> bool:

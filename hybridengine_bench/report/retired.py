@@ -38,7 +38,8 @@ RETIRED = (
     Retired("ShardedBuffer(reshard_copy='copy_engine') and the copy_2d op", _case("unit_gather", "reshard_copy",
                                                                                    "copy_engine")),
     Retired("ShardedBuffer(batch_page_calls=True)", _page_calls),
-    Retired("prefill attention P_SPLIT=True (P split in two 16-bit parts)", _case("prefill_attention", "path", "dot16")),
+    Retired("prefill attention P_SPLIT=True (P split in two 16-bit parts)", _case("prefill_attention", "path",
+                                                                                  "dot16")),
     Retired("prefill attention DOT_16BIT=False (fp32 upcast, TF32 dots)", _case("prefill_attention", "path", "upcast")),
     Retired("paged decode attention DOT_16BIT=False (fp32 upcast, TF32 dots)", _case("paged_attention", "dot",
                                                                                       "upcast_tf32")),
@@ -65,6 +66,6 @@ def retired_section(retired: dict[str, list[dict]]) -> str:
     body = [[x.name, str(len(retired[x.name])), ", ".join(sorted({r["run_id"] for r in retired[x.name]}))]
             for x in RETIRED if x.name in retired]
     return ("## Retired variants\n\nRows of options and kernel paths that lost their measurement and were removed "
-            "from the package. They stay in the rows file and no other section shows them; hybridengine_bench/README.md "
-            "(\"Retired experiments\") gives for each the commit that last had it and the measurement that "
-            "retired it.\n\n" + table(["variant", "rows", "runs"], body))
+            "from the package. They stay in the rows file and no other section shows them; "
+            "hybridengine_bench/README.md (\"Retired experiments\") gives for each the commit that last had it and "
+            "the measurement that retired it.\n\n" + table(["variant", "rows", "runs"], body))

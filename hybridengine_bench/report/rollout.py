@@ -56,8 +56,8 @@ def generate_section(rows: list[dict]) -> str:
         if floor is not None and "hbm_GBps" in floor["case"]:
             hbm = Floors(rows, run).hbm_GBps
             fc = floor["case"]
-            floor_mark = notes.mark(f"decode-step floor of run {run}: weights ({sig(fc.get('weights_GiB'))} GiB) + the KV "
-                       f"of {fc.get('batch_per_gpu')} sequences at mean context "
+            floor_mark = notes.mark(f"decode-step floor of run {run}: weights ({sig(fc.get('weights_GiB'))} GiB) "
+                       f"+ the KV of {fc.get('batch_per_gpu')} sequences at mean context "
                        f"{floor['case'].get('mean_context')}, read at {fmt(floor['case']['hbm_GBps'])} GB/s (the run's "
                        f"hbm_copy: {fmt(hbm)} GB/s).")
         per_gpu = r["value"] / max(r["num_gpus"], 1)
@@ -70,23 +70,25 @@ def generate_section(rows: list[dict]) -> str:
                     case_source="nvml", case_async_scheduling=mode, case_sampler=sampler)
         shape = f"{r['case'].get('batch_per_gpu')} x {r['case'].get('new_tokens')}"
         sync = (", sync" if mode is False else "") + (", torch sampler" if sampler == "torch" else "")
-        body.append([model, f"{case} (n={r['case'].get('samples')}, tg={r['case'].get('tg', 1)}{sync})", shape, sig_spread(r), str(r["num_gpus"]),
-                     sig(per_gpu),
+        body.append([model, f"{case} (n={r['case'].get('samples')}, tg={r['case'].get('tg', 1)}{sync})", shape,
+                     sig_spread(r), str(r["num_gpus"]), sig(per_gpu),
                      dur(step and step["value"]), dur(floor and floor["value"]) + floor_mark,
-                     ratio(step and step["value"], floor and floor["value"]), *speeds, sig(nvml and nvml["value"]), run])
+                     ratio(step and step["value"], floor and floor["value"]), *speeds,
+                     sig(nvml and nvml["value"]), run])
     ours = ("## Rollout generation\n\n### hybridengine\n\n"
-            "`HybridEngine.generate` with CUDA graphs and async scheduling, one GPU per sequence batch at tg = 1, two at tg = 2, sampling at temperature 1 (the peers decode "
-            "greedily; every call generates the full length either way). Sequences per GPU x new tokens: 64 x 128 is "
-            "the peers' workload (64 prompts x 128 random tokens); grpo is 8 prompts x n = 8 samples x 512. Decode "
-            "step: the engine's decode time / steps; floor: the run's `decode_step` floor row (weights + KV bytes / HBM "
-            "bandwidth). Speed vs a peer: tok/s per GPU / the peer's tok/s per GPU on the same workload (the peers ran "
-            "on 2 GPUs, each GPU generating for its own 64 prompts). Peak NVML includes the KV cache the engine "
-            "reserves up front (gpu_memory_utilization 0.85). Rows marked sync ran with async scheduling off "
+            "`HybridEngine.generate` with CUDA graphs and async scheduling, one GPU per sequence batch at tg = 1, "
+            "two at tg = 2, sampling at temperature 1 (the peers decode greedily; every call generates the full "
+            "length either way). Sequences per GPU x new tokens: 64 x 128 is the peers' workload (64 prompts x 128 "
+            "random tokens); grpo is 8 prompts x n = 8 samples x 512. Decode step: the engine's decode time / steps; "
+            "floor: the run's `decode_step` floor row (weights + KV bytes / HBM bandwidth). Speed vs a peer: tok/s "
+            "per GPU / the peer's tok/s per GPU on the same workload (the peers ran on 2 GPUs, each GPU generating "
+            "for its own 64 prompts). Peak NVML includes the KV cache the engine reserves up front "
+            "(gpu_memory_utilization 0.85). Rows marked sync ran with async scheduling off "
             "(`EngineConfig(async_scheduling=False)`, same engine, same run); rows marked torch sampler drew their "
             "tokens with `sampling.sample` (`EngineConfig(sampler='torch')`) instead of the fused Triton sampler, "
             "the default on CUDA (same engine, same run).\n\n"
-            + table(["model", "case", "seqs/GPU x new tokens", "tok/s (p20–p80)", "GPUs", "tok/s per GPU", "decode step",
-                     "floor step", f"step / floor (goal <= {GOAL['decode_step_vs_floor']})",
+            + table(["model", "case", "seqs/GPU x new tokens", "tok/s (p20–p80)", "GPUs", "tok/s per GPU",
+                     "decode step", "floor step", f"step / floor (goal <= {GOAL['decode_step_vs_floor']})",
                      *(f"speed vs {label}" for _, _, label in GENERATE_PEERS), "peak GiB nvml", "run"], body)
             + str(notes)) if body else "## Rollout generation"
     return ours + "\n\n" + _generate_peers_table(rows)
@@ -130,7 +132,8 @@ def sampler_section(rows: list[dict]) -> str:
         body.append([fmt(c.get("batch")), r["provider"] + (" (sweep)" if c.get("sweep") else ""), plan, dur_spread(r),
                      dur(floor), ratio(r["value"], floor), ratio(peer_row and peer_row["value"], r["value"])])
     runs = ", ".join(sorted({r["run_id"] for r in sel}))
-    return (f"## Sampler (one decode step's tokens + log-probs from bf16 logits [B, 152064], T = 1; run {runs or '–'})\n\n"
+    return (f"## Sampler (one decode step's tokens + log-probs from bf16 logits [B, 152064], T = 1; "
+            f"run {runs or '–'})\n\n"
             "Floor: one read of the logits at the run's HBM copy bandwidth. Speed vs torch_sample: "
             "`sampling.sample`'s time / this row's.\n\n"
             + table(["B", "provider", "splits x block", "time (p20–p80)", "floor", "of floor", "speed vs torch_sample"],
@@ -141,8 +144,8 @@ DECODE_GEMM_ORDER = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 def decode_gemm_section(rows: list[dict]) -> str:
-    """`python -m hybridengine_bench.probes.probe_gemm` rows: each decode GEMM in cuBLAS against its weight-read floor, and the
-    retired split-K Triton GEMM (where the run timed one), all from the latest run."""
+    """`python -m hybridengine_bench.probes.probe_gemm` rows: each decode GEMM in cuBLAS against its weight-read
+    floor, and the retired split-K Triton GEMM (where the run timed one), all from the latest run."""
     sel = [r for r in rows if r["bench"] == "decode_gemm" and r["metric"] == "seconds"]
     if not sel:
         return "## Decode-step GEMMs\n\nNo rows yet."
@@ -171,13 +174,13 @@ def decode_gemm_section(rows: list[dict]) -> str:
     sums = [[model, str(m), dur(t), dur(f), ratio(f, t)] for (model, m), (t, f) in sorted(layer.items())]
     head = sel[0]
     return ("## Decode-step GEMMs (cuBLAS against the weight-read floor)\n\n"
-            f"Run {run} ({head['num_gpus']} x {head['gpu']}, commit {head['commit'][:12]}; `python -m hybridengine_bench.probes.probe_gemm`): "
-            "[M, K] @ [N, K]^T in bf16 at decode rows M, each GEMM timed in a CUDA graph over weight copies that do "
-            "not fit in L2 (time per GEMM). floor: the weight bytes at the run's hbm_copy bandwidth; \"of floor\" = "
-            "floor / cuBLAS time. \"/tg2\": one rank's shard at tg = 2. Triton: the split-K `decode_linear` GEMM "
-            "written for these shapes and retired on these rows (hybridengine_bench/README.md, \"Retired experiments\"): its "
-            "automatic plan and the best of its config sweep (M = 128 only); "
-            "cuBLAS speed = Triton best / cuBLAS.\n\n"
+            f"Run {run} ({head['num_gpus']} x {head['gpu']}, commit {head['commit'][:12]}; "
+            "`python -m hybridengine_bench.probes.probe_gemm`): [M, K] @ [N, K]^T in bf16 at decode rows M, each "
+            "GEMM timed in a CUDA graph over weight copies that do not fit in L2 (time per GEMM). floor: the weight "
+            "bytes at the run's hbm_copy bandwidth; \"of floor\" = floor / cuBLAS time. \"/tg2\": one rank's shard "
+            "at tg = 2. Triton: the split-K `decode_linear` GEMM written for these shapes and retired on these rows "
+            "(hybridengine_bench/README.md, \"Retired experiments\"): its automatic plan and the best of its config "
+            "sweep (M = 128 only); cuBLAS speed = Triton best / cuBLAS.\n\n"
             + table(["model", "GEMM", "M", "weights", "cuBLAS (p20–p80)", "GB/s", "floor", "of floor", "Triton plan",
                      "Triton best", "cuBLAS speed vs Triton"], body)
             + "\n\nPer decoder layer (qkv + o + gate_up + down):\n\n"

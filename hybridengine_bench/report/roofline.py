@@ -56,6 +56,6 @@ def floors_section(rows: list[dict]) -> str:
                 body.append([r["bench"], what, f"{spread(r)} {unit}", fmt(DATASHEET[r["bench"]]),
                              ratio(r["value"], DATASHEET[r["bench"]]), run_id])
             elif r["bench"] == "all_gather" and r["metric"] == "busbw_GB_per_s":
-                body.append([f"all_gather busbw ({r['provider']}, {r['case']['world']} ranks)", size(r["case"]["bytes"]),
-                             f"{spread(r)} GB/s", "–", "–", run_id])
+                body.append([f"all_gather busbw ({r['provider']}, {r['case']['world']} ranks)",
+                             size(r["case"]["bytes"]), f"{spread(r)} GB/s", "–", "–", run_id])
     return "## Floors\n\n" + table(["quantity", "size", "median (p20–p80)", "datasheet", "of datasheet", "run"], body)

@@ -20,7 +20,8 @@ def other_section(rows: list[dict]) -> str:
                 continue
             case = ", ".join(f"{k}={v}" for k, v in r["case"].items())
             value = dur_spread(r) if r["metric"] == "seconds" else sig_spread(r)
-            body.append([bench, r["model"] or "–", r["provider"], case.replace("|", "/"), r["metric"], value, r["run_id"]])
+            body.append([bench, r["model"] or "–", r["provider"], case.replace("|", "/"), r["metric"],
+                         value, r["run_id"]])
     header = ["bench", "model", "provider", "case", "metric", "median (p20–p80)", "run"]
     return "## Other benches\n\n" + (table(header, body) if body else "None yet.")
 

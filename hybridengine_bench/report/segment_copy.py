@@ -15,8 +15,9 @@ def segment_copy_section(rows: list[dict]) -> str:
         peer_row = pick(sel, run_id=r["run_id"], provider=PEER["segment_copy"], case_pattern=r["case"].get("pattern"),
                         case_bytes=r["case"].get("bytes"))
         hbm = Floors(rows, r["run_id"]).hbm_GBps
-        body.append([r["case"].get("pattern", "–"), size(r["case"].get("bytes", 0)), fmt(r["case"].get("rows")), r["provider"],
-                     spread(r), ratio(r["value"], hbm), ratio(r["value"], peer_row and peer_row["value"])])
+        body.append([r["case"].get("pattern", "–"), size(r["case"].get("bytes", 0)), fmt(r["case"].get("rows")),
+                     r["provider"], spread(r), ratio(r["value"], hbm),
+                     ratio(r["value"], peer_row and peer_row["value"])])
     runs = ", ".join(sorted({r["run_id"] for r in sel}))
     return (f"## Segment copy (resharding op; GB/s counts read + write; run {runs or '–'})\n\n"
             + table(["pattern", "size", "table rows", "provider", "GB/s (p20–p80)", "of HBM copy",

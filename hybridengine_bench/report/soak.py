@@ -105,10 +105,10 @@ def soak_section(rows: list[dict]) -> str:
     return (f"{title}\n\nPer step: {c.get('prompts')} prompts of {_range(c.get('prompt_len'))} tokens x n = "
             f"{c.get('samples')}, max_tokens drawn from {_range(c.get('max_tokens_range'))}; rollout, log-probs, one "
             f"update. After the warm-up (the first {WARMUP_FRACTION:.0%} of the steps), memory is the midpoint ± half "
-            "the range over the steps, in GiB, of the peak over each step (NVML device used, torch reserved) and of the "
-            "value at its end; drift = median step time of the last fifth / the first fifth (per token: of seconds per "
-            "token). Fixed shapes: the training batch padded to one length at every step. The plot soak.png shows every "
-            "step.\n\n"
+            "the range over the steps, in GiB, of the peak over each step (NVML device used, torch reserved) and of "
+            "the value at its end; drift = median step time of the last fifth / the first fifth (per token: of seconds "
+            "per token). Fixed shapes: the training batch padded to one length at every step. The plot soak.png shows "
+            "every step.\n\n"
             + table(["model", "GPUs", "PYTORCH_CUDA_ALLOC_CONF", "fixed shapes", "steps (warm-up)", "s per step",
                      "NVML peak", "reserved peak", "NVML at end", "reserved at end", "drift", "drift per token", "run"],
                     body) + str(notes))

@@ -10,7 +10,8 @@ from .targets import GOAL, PEER
 
 def phase_of(r: dict) -> str | None:
     """gather (train -> generate) or release (generate -> train), whichever way a row names it."""
-    return r["case"].get("phase") or {"train_to_gen": "gather", "gen_to_train": "release"}.get(r["case"].get("direction"))
+    return (r["case"].get("phase")
+            or {"train_to_gen": "gather", "gen_to_train": "release"}.get(r["case"].get("direction")))
 
 
 def switch_rows(rows: list[dict]) -> list[dict]:
@@ -24,8 +25,9 @@ def switch_rows(rows: list[dict]) -> list[dict]:
 def after_idle(own: list[dict], g: dict, ahead: bool = False) -> dict | None:
     """The run's train->gen row of g's model and tg timed after an idle gap (bench switch's IDLE_GAP_S);
     `ahead`: the one whose pages were mapped during the gap (prepare_generation)."""
-    return next((r for r in own if r["bench"] == "switch" and r["provider"] == "hybridengine" and r["model"] == g["model"]
-                 and r["metric"] == "seconds" and r["case"].get("tg") == g["case"].get("tg")
+    return next((r for r in own if r["bench"] == "switch" and r["provider"] == "hybridengine"
+                 and r["model"] == g["model"] and r["metric"] == "seconds"
+                 and r["case"].get("tg") == g["case"].get("tg")
                  and "after_idle_s" in r["case"] and (r["case"].get("pages") == "mapped ahead") == ahead), None)
 
 
@@ -92,21 +94,21 @@ def switch_section(rows: list[dict]) -> str:
             f"receive {_peer_bytes_note(rows)} per rank, without hybridengine's 2 MiB shard padding). Peak NVML: the "
             "device's used memory during the timed switches (CUDA context and NCCL buffers included; torch's allocator "
             "sees none of the VMM-mapped buffer) next to model/tg, and (newer runs) how much it rose over the device's "
-            "use just before the buffer was created (context, NCCL communicator, kernels). Mapped: GiB of the generation buffer mapped in "
-            "training before -> after 100 more round trips. gen->train returns once the release is queued; the "
-            "pages go back to the driver on a host thread after the GPU's queued work (\"pages released\": the "
-            "call plus that wait, timed on the host). After idle: train->gen when the last release ended half a "
-            "second earlier, as when a training step runs between the switches (the rows above switch back to back, "
-            "right after the release, when the driver's page calls are slower), and its ratio to NCCL. Pages mapped "
-            "ahead: the same, with `prepare_generation()` called at the start of the gap (where a trainer calls it "
-            "after launching its last optimizer step before a rollout): the pages are mapped on a host thread "
+            "use just before the buffer was created (context, NCCL communicator, kernels). Mapped: GiB of the "
+            "generation buffer mapped in training before -> after 100 more round trips. gen->train returns once the "
+            "release is queued; the pages go back to the driver on a host thread after the GPU's queued work (\"pages "
+            "released\": the call plus that wait, timed on the host). After idle: train->gen when the last release "
+            "ended half a second earlier, as when a training step runs between the switches (the rows above switch "
+            "back to back, right after the release, when the driver's page calls are slower), and its ratio to NCCL. "
+            "Pages mapped ahead: the same, with `prepare_generation()` called at the start of the gap (where a trainer "
+            "calls it after launching its last optimizer step before a rollout): the pages are mapped on a host thread "
             "meanwhile and the switch only all-gathers; G then holds model/tg from that call on.\n\n"
             + table(["model", "tg", "train->gen (p20–p80)", "gen->train (p20–p80)", "gen->train, pages released",
                      "GB received/rank", "GB/s received",
                      "NCCL all-gather, same bytes", f"hybridengine / NCCL (goal <= {GOAL['switch_vs_nccl']})",
                      "train->gen after idle, / NCCL", "after idle, pages mapped ahead, / NCCL",
-                     f"speed vs DeepSpeed ZeRO-3 gather (goal >= {GOAL['switch_vs_deepspeed']})", "speed vs FSDP2 unshard",
-                     "peak NVML GiB (model/tg)", "mapped GiB", "run"], body) + str(notes))
+                     f"speed vs DeepSpeed ZeRO-3 gather (goal >= {GOAL['switch_vs_deepspeed']})",
+                     "speed vs FSDP2 unshard", "peak NVML GiB (model/tg)", "mapped GiB", "run"], body) + str(notes))
     return text + "\n\n" + _switch_sweep_table(rows) + _switch_peers_table(rows)
 
 
@@ -119,10 +121,12 @@ def _switch_sweep_table(rows: list[dict]) -> str:
              + ("*" if r["case"].get("default") else "")
              + (f", pages {r['case']['pages']}" if "pages" in r["case"] else ""),
              f"after {r['case']['after_idle_s']} s idle" if "after_idle_s" in r["case"] else "back to back",
-             dur_spread(r), r["run_id"]] for r in sorted(sel, key=lambda r: (r["model"], r["case"].get("batch_MiB", 0)))]
+             dur_spread(r), r["run_id"]]
+            for r in sorted(sel, key=lambda r: (r["model"], r["case"].get("batch_MiB", 0)))]
     return ("### Switch by NCCL group size (tg = 1)\n\n`switch_batch_bytes`: received bytes gathered per NCCL group "
-            "call (default: a quarter of the switch's bytes within 256 MiB-2 GiB, marked *); \"pages kept mapped\": `switch_to_training(release=False)` kept the generation "
-            "pages between switches, so no mapping is left in the switch.\n\n"
+            "call (default: a quarter of the switch's bytes within 256 MiB-2 GiB, marked *); \"pages kept mapped\": "
+            "`switch_to_training(release=False)` kept the generation pages between switches, so no mapping is left in "
+            "the switch.\n\n"
             + table(["model", "MiB per group call", "timing", "train->gen (p20–p80)", "run"], body) + "\n\n")
 
 
@@ -205,10 +209,10 @@ def unit_gather_section(rows: list[dict]) -> str:
                          fsdp["run_id"]])
     return ("## Unit gather (one decoder layer, 2 GPUs)\n\n"
             "The training view's gather of `layers.0` (tg = 2 adds the unpack to natural layout) against one raw NCCL "
-            "all-gather of the same bytes and FSDP2's unshard + reshard of the same layer; pipelined: training's steady "
-            "state, consecutive layers prefetched back to back (all-gathers on one stream, unpacks on another), time "
-            "per layer, against as many raw all-gathers back to back. busbw = layer bytes / time "
-            "x (n-1)/n. Speed vs FSDP2 = FSDP2's time / this row's time.\n\n"
+            "all-gather of the same bytes and FSDP2's unshard + reshard of the same layer; pipelined: training's "
+            "steady state, consecutive layers prefetched back to back (all-gathers on one stream, unpacks on another), "
+            "time per layer, against as many raw all-gathers back to back. busbw = layer bytes / time x (n-1)/n. Speed "
+            "vs FSDP2 = FSDP2's time / this row's time.\n\n"
             + table(["model", "layer MB", "provider", "time (p20–p80)", "busbw GB/s",
                      f"busbw / NCCL (goal >= {GOAL['unit_gather_vs_nccl']})", "speed vs FSDP2 unshard", "run"], body)
             + str(notes))

@@ -45,7 +45,8 @@ def train_section(rows: list[dict]) -> str:
             twin(sel, r, "peak_GiB", source="torch"), twin(sel, r, "peak_GiB", source="nvml", scope="device_used"),
             twin(sel, r, "peak_GiB", source="torch+buffer")))
         torch_peak += "" if buffer_peak == "–" else f" (+buffer {buffer_peak})"
-        label = r["provider"] + (f" ({r['case']['layout']}{', fused_training' if r['case'].get('fused_training') else ''}"
+        label = r["provider"] + (f" ({r['case']['layout']}"
+                                 f"{', fused_training' if r['case'].get('fused_training') else ''}"
                                  f"{', split_master' if r['case'].get('split_master') else ''})"
                                  if "layout" in r["case"] else "")
         body.append([r["model"], label, "on" if checkpointing(r) else "off", spread(r, 1, 3), fmt(tok and tok["value"]),
@@ -147,20 +148,21 @@ def ppo_e2e_section(rows: list[dict]) -> str:
         split = ", ".join(f"{name.replace('_', ' ')} {dur(phases[name])}" for name in E2E_PHASES if name in phases)
         switch = sum(phases.get(k, 0.0) for k in ("switch_to_generation", "switch_to_training"))
         ds, _ = peer(rows, r["run_id"], bench="ppo_e2e", provider="deepspeed_zero3", model=r["model"], metric="seconds")
-        vs = "–" if r["provider"] != "hybridengine" else ratio(ds and ds["value"], r["value"]) + notes.other_run(ds, r["run_id"])
+        vs = ("–" if r["provider"] != "hybridengine"
+              else ratio(ds and ds["value"], r["value"]) + notes.other_run(ds, r["run_id"]))
         label = r["provider"] + (" (lazy CUDA graphs)" if r["case"].get("lazy_cuda_graphs") else "")
         label += " (pages mapped ahead)" if r["case"].get("prepare_rollout") else ""
         body.append([r["model"], label, f"{r['num_gpus']} x {r['gpu']}", dur_spread(r),
-                     fmt(tok and tok["value"]), vs, f"{switch / r['value']:.1%}" if r["provider"] == "hybridengine" else "–",
-                     split])
+                     fmt(tok and tok["value"]), vs,
+                     f"{switch / r['value']:.1%}" if r["provider"] == "hybridengine" else "–", split])
     c = steps[0]["case"]
     return (f"## Whole GRPO step (ppo_e2e: per GPU {c.get('prompts_per_gpu')} prompts of {c.get('prompt')} tokens x "
             f"n = {c.get('samples')} x {c.get('new_tokens')} new tokens, log-probs, one update)\n\n"
-            "tok/s: prompt + response tokens of all GPUs per second. Speed vs DeepSpeed = the ZeRO-3 loop's step time / "
-            "hybridengine's (gather-once HF generate, ZeRO-3 forwards for log-probs, ZeRO-3 update). Switch share = "
-            "(switch to generation + switch back) / step, host time of the calls. Rows marked pages mapped ahead call "
-            "`engine.prepare_rollout()` after each update: the switch's host time is then the NCCL launch alone, and "
-            "the all-gather's GPU time (the switch bench's 'pages mapped ahead' row, ~26 ms for 7B) runs on into the "
-            "rollout set-up.\n\n"
-            + table(["model", "provider", "GPUs", "s per step", "tok/s", "speed vs DeepSpeed", "switch share", "phases"],
-                    body) + str(notes))
+            "tok/s: prompt + response tokens of all GPUs per second. Speed vs DeepSpeed = the ZeRO-3 loop's step "
+            "time / hybridengine's (gather-once HF generate, ZeRO-3 forwards for log-probs, ZeRO-3 update). Switch "
+            "share = (switch to generation + switch back) / step, host time of the calls. Rows marked pages mapped "
+            "ahead call `engine.prepare_rollout()` after each update: the switch's host time is then the NCCL launch "
+            "alone, and the all-gather's GPU time (the switch bench's 'pages mapped ahead' row, ~26 ms for 7B) runs "
+            "on into the rollout set-up.\n\n"
+            + table(["model", "provider", "GPUs", "s per step", "tok/s", "speed vs DeepSpeed", "switch share",
+                     "phases"], body) + str(notes))
