@@ -2,37 +2,21 @@
 
 Alone (no process group, or a group of one) the engine owns one unsharded model. Under torchrun
 it shards the parameters over the default process group (`ShardedBuffer`). `rollout()` switches
-to the generation view, allocates the paged KV cache inside the memory budget, and on exit frees
-the cache and switches back. In between, requests run through the rollout's `RolloutSession`
-(rollout/requests.py): `add_request` / `step` / `abort` (vLLM's request API), `generate_async`
-(asyncio tasks batched by one stepping task) and `generate` (a batch, run to completion). The
-training calls (`log_probs`, `ppo_step`, ...) run the `Trainer` over the training view of the same
-buffer. This is the only module that knows both halves.
-
-Under TP generation (tp_generation > 1) each TP group has one driver, its first rank (`_tp.src`):
-add_request, abort and generate_async are the driver's. Every driver step() first sends its group
-the requests added and aborted since its last message (a broadcast on a gloo group), and then every
-rank runs the same schedule. The other ranks follow:
-
-    with engine.rollout():
-        while engine.has_unfinished_requests():  # True until the driver leaves its rollout() block
-            engine.step()
-
-A follower's step() waits for the driver's next message: a step, a `generate` call (a follower's own
-`generate` call waits for it too), or the end of the driver's rollout() block, which also brings the
-driver's keep_unfinished choice. A driver idle for longer than collective_timeout_s makes its
-followers time out.
+to the generation view, allocates the paged KV cache inside the memory budget (with the optimizer
+state's offload: `OffloadPolicy`), and on exit frees the cache and switches back. In between,
+requests run through the `RolloutLoop` (rollout/loop.py: vLLM's request API, `generate_async`,
+`generate`, and under TP generation the driver/follower protocol). The training calls (`log_probs`,
+`ppo_step`, ...) run the `Trainer` over the training view of the same buffer. This is the only module
+that knows both halves.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import datetime
 import functools
 import gc
-import itertools
 import os
 import time
 
@@ -44,13 +28,14 @@ from hybridengine.faults import CollectiveError, PhaseGuard
 from hybridengine.model.decoder import CausalLM
 from hybridengine.model.loading import hf_config_dict, load_model
 from hybridengine.model.tensor_parallel import local_config, make_all_reduce, parallelize
-from hybridengine.rollout import generator
 from hybridengine.rollout.kv_cache import allocate_kv_cache, cuda_budget
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
+from hybridengine.rollout.loop import RolloutLoop
 from hybridengine.rollout.requests import RolloutSession
 from hybridengine.rollout.runner import ModelRunner
 from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
+from hybridengine.rollout.tp_group import TPGroup
 from hybridengine.sharding.switch import ShardedBuffer
 from hybridengine.train.offload_policy import OffloadPolicy
 
@@ -98,16 +83,14 @@ class HybridEngine:
         self._guard = PhaseGuard(self.group, config.collective_timeout_s)
         self.model = self._build(source)
         self.model.eval()
-        self._sampler = Sampler(config.seed, self.model.vocab_shard, exact=config.exact_logprobs)  # its RNG keys the fused sampler's unseeded rows
+        # Its RNG keys the fused sampler's unseeded rows.
+        self._sampler = Sampler(config.seed, self.model.vocab_shard, exact=config.exact_logprobs)
         self._runner: ModelRunner | None = None
         self._kv = None  # the open rollout's KVCache (released at its exit)
-        self._session: RolloutSession | None = None  # the open rollout's requests
-        self._kept: list = []  # requests kept unfinished by the last rollout (`rollout(keep_unfinished=True)`)
-        self._stepper: asyncio.Task | None = None  # generate_async's stepping task
-        self._async_ids = itertools.count()
-        self._cache_hits = 0  # prefix-cache hits of the closed rollouts
         self._training = None
         self.stats: dict[str, float] = {"prefix_cache_hit_tokens": 0}
+        self._loop = RolloutLoop(config, self._guard, self._tp, vocab_size=self.vocab_size, rank=self.rank,
+                                 stats=self.stats)  # the requests of the rollouts, and the TP protocol
         # EngineConfig.offload: when the optimizer state leaves the device for a rollout and comes back
         self._offload = OffloadPolicy(config, device, trainer=lambda: self._training, stats=self.stats,
                                       tp_generation=self._tp is not None,
@@ -135,7 +118,7 @@ class HybridEngine:
         buffer = self.sharded.flat_buffer
         self.vocab_size = self.model_config.vocab_size
         self.tp_all_reduce = None
-        self._tp: generator.TPGroup | None = None
+        self._tp: TPGroup | None = None
         del full, params
         if self.role == "critic":
             return CausalLM(self.model_config, buffer=buffer) if tp == 1 else CausalLM(self.model_config, device="meta")
@@ -143,7 +126,7 @@ class HybridEngine:
         if tp == 1:
             return model
         group = self.sharded.tp_group
-        self._tp = generator.TPGroup.of(group, self.sharded.group, self._timeout)
+        self._tp = TPGroup.of(group, self.sharded.group, self._timeout)
         self.tp_all_reduce = make_all_reduce(cfg.tp_all_reduce, group, capacity=max(cfg.max_num_seqs, 512)
                                              * self.model_config.hidden_size, dtype=cfg.dtype, device=self.device)
         return parallelize(model, vocab_size=self.vocab_size, tp_rank=self.sharded.tp_rank, tp_size=tp, group=group,
@@ -453,47 +436,22 @@ class HybridEngine:
                                   kv_blocks_at_entry=kv.num_blocks,
                                   cuda_graph_capture_s=self._runner.graph_capture_s,
                                   runner_setup_s=time.perf_counter() - t1)
-            self._session = RolloutSession(self._runner, self._sampler, self.config, vocab_size=self.vocab_size,
-                                           tp=self._tp, policy_version=self.policy_version, kept=self._kept,
-                                           grow=grow)
-            self._kept = []
-            if self._session.num_waiters:  # generate_async tasks wait on kept requests
-                self._drive_async()
+            self._loop.open(self._runner, self._sampler, policy_version=self.policy_version, grow=grow)
             yield self
             ok = True
         finally:
             # Drop this frame's references too: empty_cache below must see the cache freed.
             runner, self._runner, kv = self._runner, None, None
-            session, self._session = self._session, None
             try:
-                if session is not None:
-                    # The whole rollout's counters (generate() notes its own call's as steps, decode_s, ...).
-                    self.stats.update({f"rollout_{k}": v for k, v in session.counters().items()},
-                                      rollout_cuda_graph_capture_s=runner.graph_capture_s,  # set with the session
-                                      rollout_kv_blocks=runner.kv.num_blocks)
-                    self._kept = self._close(session, keep_unfinished, ok)
+                self._loop.close(keep_unfinished, ok)
             finally:
                 try:
                     if runner is not None:
                         runner.close()
                 finally:
-                    del runner, session  # the session holds the runner, the runner the cache
+                    del runner  # the runner holds the cache
                     gc.unfreeze()
                     self._leave_rollout()
-
-    def _close(self, session: RolloutSession, keep: bool, ok: bool) -> list:
-        """The end of a rollout's requests: under TP on a normal exit, the driver tells its group (and
-        sends what it has not sent yet); the followers run its messages until then. Returns the kept."""
-        self._cache_hits += session.prefix_cache_hit_tokens
-        if ok and self._tp is not None:
-            with self._guard.work("rollout") as phase:
-                if session.is_driver:
-                    session.send("close", keep)
-                else:
-                    while not session.closed:
-                        self._follow(session, phase)
-                    keep = session.close_keep
-        return session.close(keep, failed=not ok)
 
     def _leave_rollout(self) -> None:
         """The end of every rollout, also after an error: free the cache, back to the training view."""
@@ -511,27 +469,18 @@ class HybridEngine:
         if self.sharded.state == "generation":
             self.sharded.switch_to_training()
 
-    # -- requests (under TP: the driver's; see the module docstring) ----------------------------------
+    # -- requests (the rollout loop's; under TP the driver's: rollout/loop.py) ---------------------------
 
-    def _live(self, op: str) -> RolloutSession:
-        if self._session is None:
-            raise ValueError(f"{op}() must be called inside `with engine.rollout():`")
-        return self._session
-
-    def _driver(self, op: str) -> RolloutSession:
-        session = self._live(op)
-        if not session.is_driver:
-            raise ValueError(f"{op}(): under TP generation the TP group's first rank (global rank {self._tp.src}) "
-                             "takes the requests; this rank follows them in step()")
-        return session
+    @property
+    def _session(self) -> RolloutSession | None:
+        """The open rollout's requests (None outside rollout())."""
+        return self._loop.session
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Add a request to the open rollout; `step()` runs it with the others (continuous batching).
         request_id: a str, unique among the live requests. Raises ValueError, changing nothing, for a
         bad or duplicate id, prompt or sampling_params."""
-        session = self._driver("add_request")
-        prompt = session.check_new(request_id, prompt_token_ids, sampling_params)
-        session.submit(request_id, prompt, sampling_params, stream=True)
+        self._loop.add_request(request_id, prompt_token_ids, sampling_params)
 
     def step(self) -> list[RequestOutput]:
         """One model step of every live request (a new request's prefill, or a decode); returns the
@@ -539,43 +488,20 @@ class HybridEngine:
         `SamplingParams.output_kind` says: cumulative tokens, the new ones, or only the final output;
         `finished` once every sample has finished, reported once). With async scheduling a step's tokens
         are read during the next one, so a step may report nothing."""
-        session = self._live("step")
-        self._step(session)
-        return [req.output(delta=req.params.output_kind == "delta") for req in session.drain()]
-
-    def _step(self, session: RolloutSession) -> None:
-        if self._tp is None:
-            session.step()
-        else:
-            with self._guard.work("step") as phase:
-                if session.is_driver:
-                    session.send("step")
-                    session.step()
-                elif not session.closed:
-                    self._follow(session, phase)
-        self.stats["prefix_cache_hit_tokens"] = self._cache_hits + session.prefix_cache_hit_tokens
-
-    def _follow(self, session: RolloutSession, phase):
-        """TP follower: run the driver's next message (a step, or a generate call: its outputs)."""
-        kind, payload = session.receive()
-        if kind == "step":
-            session.step()
-        elif kind == "generate":
-            return self._generate(session, *payload, consistent=phase.consistent)
-        return None
+        return self._loop.step()
 
     def abort(self, request_id: str) -> None:
         """Drop a live request and free its blocks now; its generate_async task gets its output so far
         (finish_reason 'abort' for the unfinished samples). An id that finished (or was aborted) in this
         rollout is a no-op, so stragglers can be aborted without racing their finish; an unknown id
         raises ValueError."""
-        self._driver("abort").abort(request_id)
+        self._loop.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Inside rollout(): a request is live, or step() has progress of one left to report (so a loop
         of step() while this holds sees every request finish); on a TP follower: the driver has not left
         its rollout() block. Outside: requests are kept for the next rollout."""
-        return self._session.has_unfinished if self._session is not None else bool(self._kept)
+        return self._loop.has_unfinished_requests()
 
     async def generate_async(self, prompt_token_ids: list[int],
                              sampling_params: SamplingParams | None = None) -> RequestOutput:
@@ -583,42 +509,7 @@ class HybridEngine:
         demand, ended when no task waits) batches their requests, which run between its steps. Returns
         the finished RequestOutput (request_id 'async-<n>'). Cancelling the task aborts the request; a
         request kept across rollouts resumes in the next one."""
-        session = self._driver("generate_async")
-        params = SamplingParams() if sampling_params is None else sampling_params
-        request_id = f"async-{next(self._async_ids)}"
-        prompt = session.check_new(request_id, prompt_token_ids, params)
-        waiter = asyncio.get_running_loop().create_future()
-        session.submit(request_id, prompt, params, stream=False, waiter=waiter)
-        self._drive_async()
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if self._session is not None:
-                with contextlib.suppress(ValueError):  # it left another rollout before the cancellation
-                    self._session.abort(request_id)
-            else:
-                self._kept = [req for req in self._kept if req.key != request_id]
-            raise
-
-    def _drive_async(self) -> None:
-        """Start the stepping task unless it runs (and a loop runs: a rollout entered outside one has
-        no task waiting)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        if self._stepper is None or self._stepper.done():
-            self._stepper = asyncio.get_running_loop().create_task(self._drive())
-
-    async def _drive(self) -> None:
-        """Step the open rollout while generate_async tasks wait on it; they run between steps."""
-        while (session := self._session) is not None and session.num_waiters:
-            try:
-                self._step(session)
-            except Exception as err:  # noqa: BLE001 - every waiting task gets it
-                session.fail_waiters(err)
-                return
-            await asyncio.sleep(0)
+        return await self._loop.generate_async(prompt_token_ids, sampling_params)
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -627,29 +518,4 @@ class HybridEngine:
         prompt. Under TP, every rank of a TP group generates its first rank's batch (a follower may also
         be in its step() loop then). Requests of the request API progress alongside. Stats of the call go
         to `self.stats`."""
-        session = self._live("generate")
-        prompts = generator.token_id_lists(prompts)  # a tensor of token ids: one prompt per row
-        params = generator.batch_params(prompts, sampling_params)
-        if self._tp is None:  # no collectives: this rank's batch alone
-            return self._generate(session, prompts, params, progress=use_tqdm)
-        # a collective phase of the TP group, which generates one batch: its first rank's
-        with self._guard.work("generate") as phase:
-            if session.is_driver:
-                session.send("generate", (prompts, params))
-                return self._generate(session, prompts, params, progress=use_tqdm, consistent=phase.consistent)
-            while True:
-                outputs = self._follow(session, phase)
-                if outputs is not None:
-                    return outputs
-                if session.closed:
-                    raise RuntimeError(f"generate(): the TP driver (global rank {self._tp.src}) left its rollout() "
-                                       "block without calling generate")
-
-    def _generate(self, session: RolloutSession, prompts, params, *, progress: bool = False,
-                  consistent=lambda fn, *args, **kwargs: fn(*args, **kwargs)) -> list[RequestOutput]:
-        """`generate`'s batch, checked (under TP on every rank alike: `consistent`) and run to completion."""
-        consistent(generator.check_requests, prompts, params, vocab_size=self.vocab_size, config=self.config,
-                   num_blocks=self._runner.kv.capacity)
-        outputs, stats = generator.generate(session, prompts, params, progress=progress and self.rank == 0)
-        self.stats.update(stats, prefix_cache_hit_tokens=self._cache_hits + session.prefix_cache_hit_tokens)
-        return outputs
+        return self._loop.generate(prompts, sampling_params, use_tqdm=use_tqdm)

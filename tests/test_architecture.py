@@ -185,7 +185,6 @@ def test_model_never_imports_torch_distributed():
                 pytest.fail(f"{module} ({path.name}:{node.lineno}) uses torch.distributed")
 
 
-@pytest.mark.xfail(strict=False, reason="issue 41: engine.py, ppo_loss.py, trainer.py are being split")
 def test_no_module_over_max_lines():
     long = {p.relative_to(PACKAGE.parent).as_posix(): n for p in sorted(PACKAGE.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}

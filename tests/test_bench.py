@@ -562,9 +562,9 @@ def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys
     import gc
 
     from hybridengine_bench.probes import probe_request_step
-    from hybridengine.rollout import generator, requests
+    from hybridengine.rollout import async_decode, requests
 
-    wrapped = (requests.RolloutSession.step, generator._Sampled.wait, requests.Request.output)
+    wrapped = (requests.RolloutSession.step, async_decode.Sampled.wait, requests.Request.output)
     callbacks = list(gc.callbacks)
     probe_request_step.main([])
     lines = capsys.readouterr().out.splitlines()
@@ -572,7 +572,7 @@ def test_probe_request_step_times_both_paths_and_restores_what_it_wrapped(capsys
         timed = [line for line in lines if line.startswith(f"tiny-qwen2 {api}: total ")]
         assert len(timed) == 2, lines  # reps 1 and 2 (rep 0 warms up)
     assert all("outputs" in line for line in lines if line.startswith("tiny-qwen2 step:"))
-    assert (requests.RolloutSession.step, generator._Sampled.wait, requests.Request.output) == wrapped
+    assert (requests.RolloutSession.step, async_decode.Sampled.wait, requests.Request.output) == wrapped
     assert gc.callbacks == callbacks
 
 

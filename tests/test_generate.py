@@ -645,7 +645,7 @@ def test_cuda_kv_cache_is_capped_by_what_running_sequences_can_hold(monkeypatch)
 def test_async_decode_guards():
     """The async-decode guards: prev_tokens on a prefill, a placeholder id with no device ids, a sequence
     missing from the previous step's batch."""
-    from hybridengine.rollout.generator import _rows
+    from hybridengine.rollout.async_decode import next_rows
     from hybridengine.rollout.scheduler import Batch
     from hybridengine.rollout.sequence import PLACEHOLDER
 
@@ -660,9 +660,9 @@ def test_async_decode_guards():
             runner.step(Batch([seq], False))
     other = Sequence(request=1, token_ids=[3], num_prompt_tokens=1, params=SamplingParams())
     with pytest.raises(RuntimeError, match="has no token in the previous step"):
-        _rows([seq, other], [seq], torch.device("cpu"))
-    assert _rows([seq], [seq, other], torch.device("cpu")) is None
-    assert _rows([other], [seq, other], torch.device("cpu")).tolist() == [1]
+        next_rows([seq, other], [seq], torch.device("cpu"))
+    assert next_rows([seq], [seq, other], torch.device("cpu")) is None
+    assert next_rows([other], [seq, other], torch.device("cpu")).tolist() == [1]
 
 
 def test_readback_slots_hold_bit_copies_and_catch_a_rewritten_slot(device):

@@ -1,32 +1,22 @@
-"""The rollout loop's pieces: request checks, `generate` over a rollout's requests, and async decode.
+"""Request checks and `generate` over a rollout's requests.
 
-`generate` is a thin loop over the rollout's `RolloutSession` (rollout/requests.py): add every prompt,
-step until they have all finished, collect the outputs in prompt order. The session's step is
-schedule -> run the model -> sample -> post-process, with the async decode pipeline below.
-
-Async decode: a decode step is launched before the previous step's tokens reach the host. Each
-launched step gives its sequences a PLACEHOLDER token (`_reserve`), so the next step can be
-scheduled at once; its input ids are copied from the previous step's sampled tokens on the device
-(`ModelRunner.step(prev_tokens=)`), and the host reads step t's tokens (`_resolve`) while step
-t + 1 runs. Before a prefill or a preemption the loop resolves the step in flight first.
+`check_request(s)` validate prompts and sampling params at the boundary (a request that passes fits the
+engine: a batch, max_model_len, the cache, the vocabulary). `generate` is a thin loop over the rollout's
+`RolloutSession` (rollout/requests.py): add every prompt, step until they have all finished, collect the
+outputs in prompt order.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from hybridengine import checks
 from hybridengine.config import EngineConfig
 from hybridengine.rollout.outputs import RequestOutput
-from hybridengine.rollout.runner import Readback
 from hybridengine.rollout.sampling_params import SamplingParams
-from hybridengine.rollout.scheduler import Batch, Scheduler
-from hybridengine.rollout.sequence import PLACEHOLDER, Sequence, Status
 
 
 def token_id_lists(prompts):
@@ -111,37 +101,6 @@ def check_requests(prompts, params: list[SamplingParams], *, vocab_size: int, co
                       config=config, num_blocks=num_blocks)
 
 
-@dataclass(frozen=True, slots=True)
-class TPGroup:
-    """The TP group of generation: every rank continues with rank `src`'s tokens, and rank `src` drives
-    the group's requests (`RolloutSession.send`)."""
-
-    group: object
-    src: int
-    """Global rank of the group's first rank."""
-    messages: object
-    """A gloo group over the same ranks for the driver's per-step messages: on the host, so that they
-    never wait for the device (an object broadcast over NCCL syncs with the step in flight)."""
-
-    @classmethod
-    def of(cls, group, parent, timeout) -> "TPGroup":
-        """The TP group `group`, one of the TP groups that split `parent` (ShardedBuffer's layout: TP
-        group j holds parent ranks j, j + m, j + 2m, ...). Every rank of `parent` calls it: the gloo
-        twins are made collectively, each group in the same order on every rank."""
-        mine = dist.get_process_group_ranks(group)
-        messages = group
-        if dist.get_backend(group) != "gloo":
-            ranks, tp = dist.get_process_group_ranks(parent), len(mine)
-            m = len(ranks) // tp
-            for j in range(m):
-                members = [ranks[t * m + j] for t in range(tp)]
-                twin = dist.new_group(members, timeout=timeout, backend="gloo")
-                if members == mine:
-                    messages = twin
-            assert messages is not group, f"TP group {mine} is not one of the layout's groups over {ranks}"
-        return cls(group, mine[0], messages)
-
-
 def generate(session, prompts: list[list[int]], params: list[SamplingParams], *,
              progress: bool = False) -> tuple[list[RequestOutput], dict[str, float]]:
     """Run checked requests to completion in `session` (a `RolloutSession`, which may hold other
@@ -164,108 +123,3 @@ def generate(session, prompts: list[list[int]], params: list[SamplingParams], *,
     stats = {k: v - before[k] for k, v in session.counters().items()}
     stats.update(generate_s=time.perf_counter() - t0, cuda_graph_capture_s=session.runner.graph_capture_s)
     return [r.output() for r in requests], stats
-
-
-def _fork_prefilled(sched: Scheduler, batch: Batch, logits: torch.Tensor, device: torch.device):
-    """After a prefill: each prompt awaiting its fork becomes its samples, which all draw from its row;
-    fresh seeded samples get their generator. Returns (logits row per sequence, sequences)."""
-    rows, seqs = [], []
-    for r, seq in enumerate(batch.seqs):
-        children = sched.fork(seq) if seq.fork > 1 else [seq]
-        rows += [r] * len(children)
-        seqs += children
-    for seq in seqs:
-        if seq.generator is None and seq.params.seed is not None:
-            seq.generator = torch.Generator(device).manual_seed((seq.params.seed * 100003 + seq.sample) % 2**64)
-    if rows != list(range(len(batch.seqs))):
-        logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-    return logits, seqs
-
-
-def _rows(seqs: list[Sequence], prev: list[Sequence], device: torch.device) -> torch.Tensor | None:
-    """Row of each of seqs in the previous step's batch (None: row i is row i). A decode scheduled
-    ahead runs the previous step's sequences minus those that finished, in the same order."""
-    if len(seqs) <= len(prev) and all(a is b for a, b in zip(seqs, prev)):
-        return None
-    where = {id(seq): i for i, seq in enumerate(prev)}
-    rows = [where.get(id(seq), -1) for seq in seqs]
-    if min(rows) < 0:
-        raise RuntimeError("async decode: a sequence of the step has no token in the previous step")
-    if device.type != "cuda":
-        return torch.tensor(rows, dtype=torch.int64)
-    return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-
-
-@dataclass(slots=True)
-class _Sampled:
-    """A step's sampled tokens and log-probs on their way to the host."""
-
-    seqs: list[Sequence]
-    next_ids: torch.Tensor
-    """int64 [B] on the device: the next decode step's input ids (under TP, rank tp.src's)."""
-    host: torch.Tensor
-    """float64 [2, B]: tokens and log-probs (float64 holds both exactly: ids < 2^53, fp32 log-probs), in a
-    `Readback` slot."""
-    ready: torch.cuda.Event | None
-    void: list[bool]
-    """Rows whose sequence had finished (a stop token read after this step was launched) or was aborted
-    while the step was in flight: ignored."""
-    readback: Readback
-    slot: tuple[int, int]
-    """(slot, its write count) in readback."""
-
-    def wait(self) -> tuple[list[int], list[float]]:
-        """The tokens and log-probs as Python lists, once the store has landed."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        self.readback.check(*self.slot)
-        return self.host[0].long().tolist(), self.host[1].tolist()
-
-
-def _launch(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, tp: TPGroup | None,
-            readback: Readback) -> _Sampled:
-    """Start the tokens' and log-probs' way to the host (`Readback`); under TP every rank continues with
-    rank tp.src's tokens (one broadcast)."""
-    packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
-    next_ids = tokens
-    if tp is not None:
-        dist.broadcast(packed, src=tp.src, group=tp.group)
-        next_ids = packed[0].long()
-    host, slot, writes, ready = readback.write(packed)
-    return _Sampled(seqs, next_ids, host, ready, [False] * len(seqs), readback, (slot, writes))
-
-
-def _reserve(sched: Scheduler, step: _Sampled) -> None:
-    """Give every sequence of a launched step its next token as PLACEHOLDER, so that the next step can
-    be scheduled before the token is known; a sequence that reaches max_tokens with it finishes now
-    (its blocks are freed: steps that reuse them run after this one on the stream)."""
-    for i, seq in enumerate(step.seqs):
-        if seq.status is Status.FINISHED:  # stopped in the previous step: this row is void
-            step.void[i] = True
-            continue
-        seq.token_ids.append(PLACEHOLDER)
-        if seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
-            sched.finish(seq, "length")
-
-
-def _resolve(sched: Scheduler, step: _Sampled, finished: list[Sequence]) -> None:
-    """Wait for a step's tokens, then `_append` them."""
-    _append(sched, step, *step.wait(), finished)
-
-
-def _append(sched: Scheduler, step: _Sampled, tokens: list[int], logprobs: list[float],
-            finished: list[Sequence]) -> None:
-    """Put each token in place of its sequence's PLACEHOLDER, with its log-prob; finish the sequences
-    that emitted a stop token (or reached max_tokens in `_reserve`)."""
-    for seq, tok, lp, void in zip(step.seqs, tokens, logprobs, step.void):
-        if void:
-            continue
-        seq.token_ids[-1] = tok
-        seq.logprobs.append(lp)
-        stop = tok in seq.params.stop_token_ids
-        if seq.status is Status.FINISHED:  # reached max_tokens with this token
-            seq.finish_reason = "stop" if stop else "length"
-            finished.append(seq)
-        elif stop:
-            sched.finish(seq, "stop")
-            finished.append(seq)

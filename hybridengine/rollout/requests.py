@@ -4,7 +4,7 @@
 (so the prefix cache lives for the whole rollout, and never across a weight change), the live
 requests by id, the async-decode step in flight, and the requests that progressed since they were
 last reported. `step` is nano-vllm's LLMEngine.step: schedule -> run the model -> sample ->
-post-process, with `rollout.generator`'s async decode pipeline.
+post-process, with the async decode pipeline of rollout/async_decode.py.
 
 A request kept at the end of a rollout (`close(keep=True)`) keeps its sequences' tokens, log-probs,
 policy versions and sampler state and drops their blocks; the next session re-adds it before any
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hybridengine import checks
 from hybridengine.config import EngineConfig
-from hybridengine.rollout import generator
+from hybridengine.rollout import async_decode, generator
 from hybridengine.rollout.block_manager import BlockManager
 from hybridengine.rollout.outputs import CompletionOutput, RequestOutput
 from hybridengine.rollout.runner import ModelRunner
@@ -37,6 +37,7 @@ from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.rollout.scheduler import Scheduler
 from hybridengine.rollout.sequence import PLACEHOLDER, Sequence, Status
+from hybridengine.rollout.tp_group import TPGroup
 
 
 @dataclass(eq=False)
@@ -114,11 +115,12 @@ class RolloutSession:
     """The scheduler, the live requests and the async-decode step of one rollout."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, config: EngineConfig, *, vocab_size: int,
-                 tp: generator.TPGroup | None, policy_version: int, kept: list[Request] = (),
+                 tp: TPGroup | None, policy_version: int, kept: list[Request] = (),
                  grow: Callable[[], int] | None = None):
         self.runner, self.sampler, self.config, self.tp = runner, sampler, config, tp
         self.vocab_size, self.policy_version = vocab_size, policy_version
-        blocks = BlockManager(runner.kv.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        blocks = BlockManager(runner.kv.num_blocks, config.block_size,
+                              enable_prefix_caching=config.enable_prefix_caching)
         self.sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, grow=grow)
         self.requests: dict[str | int, Request] = {}
@@ -131,7 +133,7 @@ class RolloutSession:
         """Streamed requests that progressed since the last `drain`."""
         self.finished_ids: set[str] = set()
         """Ids finished or aborted in this rollout: aborting one again is a no-op."""
-        self.inflight: generator._Sampled | None = None
+        self.inflight: async_decode.Sampled | None = None
         self.is_driver = tp is None or dist.get_rank() == tp.src
         self.closed = False
         """TP follower: the driver closed the rollout (its keep flag: `close_keep`)."""
@@ -285,21 +287,21 @@ class RolloutSession:
         batch = sched.schedule()
         inflight = self.inflight
         prev = (None if inflight is None
-                else (inflight.next_ids, generator._rows(batch.seqs, inflight.seqs, runner.device)))
+                else (inflight.next_ids, async_decode.next_rows(batch.seqs, inflight.seqs, runner.device)))
         logits = runner.step(batch, prev)
         seqs = batch.seqs
         if batch.is_prefill:
-            logits, seqs = generator._fork_prefilled(sched, batch, logits, runner.device)
+            logits, seqs = async_decode.fork_prefilled(sched, batch, logits, runner.device)
             for seq in seqs:  # a fork's new samples join their request
                 req = self.requests[seq.request]
                 if len(req.seqs) < req.params.n and seq.sample == len(req.seqs):
                     req.seqs.append(seq)
         tokens, logprobs = self.sampler(logits, seqs, self.config.sampler)
-        step = generator._launch(seqs, tokens, logprobs, self.tp, runner.readback)
+        step = async_decode.launch(seqs, tokens, logprobs, self.tp, runner.readback)
         if inflight is not None:
             self._resolve(inflight)
             self.async_steps += 1
-        generator._reserve(sched, step)
+        async_decode.reserve(sched, step)
         if batch.is_prefill or not self.config.async_scheduling:
             self._resolve(step)
             self.inflight = None
@@ -310,10 +312,10 @@ class RolloutSession:
         self.num_steps += 1
         self.num_scheduled = len(seqs)
 
-    def _resolve(self, step: generator._Sampled) -> None:
+    def _resolve(self, step: async_decode.Sampled) -> None:
         """Read a step's tokens into its sequences; note who progressed, let finished requests go."""
         finished: list[Sequence] = []
-        generator._resolve(self.sched, step, finished)
+        async_decode.resolve(self.sched, step, finished)
         for seq, void in zip(step.seqs, step.void):
             if void:
                 continue

@@ -76,7 +76,7 @@ def _summary(steps: list[dict[str, float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     import hybridengine as he
-    from hybridengine.rollout import generator, requests
+    from hybridengine.rollout import async_decode, requests
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["qwen2.5-1.5b", "qwen2-7b"])
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                 seqs=seqs, prompt=prompt_len, new_tokens=new_tokens, gc_frozen_at_start=gc.get_freeze_count())
     timers = _Timers()
     originals = [(requests.RolloutSession, "step", _wrap(requests.RolloutSession, "step", timers, "session_step")),
-                 (generator._Sampled, "wait", _wrap(generator._Sampled, "wait", timers, "wait")),
+                 (async_decode.Sampled, "wait", _wrap(async_decode.Sampled, "wait", timers, "wait")),
                  (requests.Request, "output", _wrap(requests.Request, "output", timers, "outputs"))]
     rows = []
     try:

@@ -50,7 +50,7 @@ def category(name: str, cat: str) -> str:
 @contextlib.contextmanager
 def ranges(kinds: list[bool]):
     """record_function ranges around the engine's stages; `kinds` gets is_prefill of each schedule()."""
-    import hybridengine.rollout.generator as loop
+    import hybridengine.rollout.async_decode as loop
     from hybridengine.rollout.runner import ModelRunner
     from hybridengine.rollout.sampler import Sampler
     from hybridengine.rollout.scheduler import Scheduler
@@ -67,8 +67,8 @@ def ranges(kinds: list[bool]):
 
     targets = [(Scheduler, "schedule", lambda b: kinds.append(b.is_prefill)), (ModelRunner, "_stage_decode", None),
                (ModelRunner, "_upload", None), (ModelRunner, "_decode_forward", None), (ModelRunner, "_prefill", None),
-               (Sampler, "__call__", None), (loop, "_launch", None), (loop._Sampled, "wait", None),
-               (loop, "_append", None), (loop, "_reserve", None)]
+               (Sampler, "__call__", None), (loop, "launch", None), (loop.Sampled, "wait", None),
+               (loop, "append", None), (loop, "reserve", None)]
     names = ["schedule", "prepare_inputs", "prepare_inputs", "forward", "prefill", "sample", "sample", "d2h",
              "bookkeeping", "bookkeeping"]
     if torch.cuda.is_available():
