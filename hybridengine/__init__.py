@@ -6,7 +6,7 @@ switch, checkpoints) and `ops` (one op per file, with its plain-torch reference)
 only module that knows both halves.
 """
 
-from hybridengine.config import EngineConfig
+from hybridengine.config import EngineConfig, EngineTuning
 from hybridengine.engine import HybridEngine
 from hybridengine.faults import CollectiveError
 from hybridengine.model import MODEL_CONFIGS, CausalLM, ModelConfig, RopeConfig, load_model, model_config
@@ -23,8 +23,8 @@ from hybridengine.train.trainer import PPOBatch, PPOConfig, TrainConfig, ValueCo
 
 __version__ = "0.1.0"
 
-__all__ = ["CausalLM", "CollectiveError", "CompletionOutput", "EngineConfig", "FlatParamBuffer", "HybridEngine",
-           "MODEL_CONFIGS", "ModelConfig", "PPOBatch", "PPOConfig", "ParamSpec", "RequestOutput", "RopeConfig",
-           "SamplingParams", "ShardedLayout", "TrainConfig", "ValueConfig", "__version__", "load_model", "losses",
-           "masked_logprobs", "model_config", "param_specs", "ppo_loss", "tp_role", "token_logprobs", "unit_of",
-           "value_loss"]
+__all__ = ["CausalLM", "CollectiveError", "CompletionOutput", "EngineConfig", "EngineTuning", "FlatParamBuffer",
+           "HybridEngine", "MODEL_CONFIGS", "ModelConfig", "PPOBatch", "PPOConfig", "ParamSpec", "RequestOutput",
+           "RopeConfig", "SamplingParams", "ShardedLayout", "TrainConfig", "ValueConfig", "__version__", "load_model",
+           "losses", "masked_logprobs", "model_config", "param_specs", "ppo_loss", "tp_role", "token_logprobs",
+           "unit_of", "value_loss"]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -12,8 +13,76 @@ from hybridengine.options import OFFLOAD_MODES, SAMPLERS, TP_ALL_REDUCE
 
 
 @dataclass(kw_only=True, slots=True)
+class EngineTuning:
+    """Implementation switches of the engine: which kernels, schedules and allocator settings it uses where
+    more than one gives the same results. Each default is the measured choice (docs/benchmarks.md); they
+    exist to compare paths and to work around a machine. `EngineConfig.tuning` holds one; validated on
+    construction (the checks that need the rest of the config run in `EngineConfig`)."""
+
+    tp_all_reduce: str = "auto"
+    """How TP generation (tp_generation > 1) all-reduces: 'symm_mem' (torch symmetric memory over
+    NVLink, `SymmAllReduce`; messages up to max(max_num_seqs, 512) x hidden, larger ones NCCL),
+    'nccl' (dist.all_reduce), or 'auto' (symm_mem on CUDA when it sets up, with a warning when it does
+    not; the process group's all_reduce elsewhere)."""
+    lazy_cuda_graphs: bool = True
+    """Capture each decode batch bucket's CUDA graph at its first decode step (True) instead of all
+    buckets at rollout entry (False): a rollout whose batch never shrinks captures one graph, so the
+    rollout's set-up is nearly free and generation runs as fast."""
+    async_scheduling: bool = True
+    """Schedule and launch each decode step before the previous step's tokens reach the host: the
+    step's input ids are copied from the previous step's sampled tokens on the device, and the host
+    reads step t's tokens and does its bookkeeping while step t + 1 runs, so the GPU does not idle
+    between steps (vLLM's async scheduling). A sequence that emits a stop token runs one void step
+    more (its row is dropped). Steps before a prefill or a preemption run synchronously. Outputs are
+    the same either way."""
+    fused_training: bool = True
+    """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
+    `hybridengine.ops` (rms_norm, rope, silu_mul) instead of eager torch: fewer kernels and fewer saved
+    tensors, so a faster step and a lower peak. Ignored on CPU (eager torch there)."""
+    split_master: bool | None = None
+    """bf16: keep AdamW's fp32 master weights as the bf16 weights (their high half, rounded to nearest,
+    ties away from zero) plus an int16 low half: the same fp32 master, exactly, in 2 bytes per parameter
+    instead of 4, at the same speed. None (default): on for bf16, off otherwise (resolved at
+    construction)."""
+    expandable_segments: bool | None = None
+    """On CUDA, switch torch's caching allocator to expandable segments when the engine is built. Each
+    GRPO step brings other shapes (prompt and response lengths, micro-batch sizes); with fixed-size
+    segments the reserve follows each step's shapes, with expandable ones it stays within a few hundred
+    MiB (the soak bench, docs/benchmarks.md). None: on, unless PYTORCH_CUDA_ALLOC_CONF is set (the
+    caller's choice stands); False: leave the allocator alone. It is a process-wide setting."""
+    sampler: str = "auto"
+    """'fused': a step whose requests all sample without top-k/top-p draws its tokens and log-probs in
+    one Triton pass over the logits (`hybridengine.ops.sample_fused`, Philox noise in the kernel);
+    'torch': always `rollout.sampler.sample` (torch's generators); 'auto': fused on CUDA, torch
+    elsewhere. A step with any truncating request takes `sample` for those rows. The samplers draw
+    different random streams: a seeded request is reproducible within one sampler (independent of
+    batch composition and preemption in both), not across them. Greedy rows give the same tokens in
+    both."""
+
+    def __post_init__(self):
+        op = "EngineTuning"
+        if self.tp_all_reduce not in TP_ALL_REDUCE:
+            raise ValueError(f"{op}.tp_all_reduce must be one of {TP_ALL_REDUCE}, got {self.tp_all_reduce!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"{op}.sampler must be 'auto', 'fused' or 'torch', got {self.sampler!r}")
+        for name in ("lazy_cuda_graphs", "async_scheduling", "fused_training"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{op}.{name} must be a bool, got {checks.describe(getattr(self, name))}")
+        if self.expandable_segments is not None and not isinstance(self.expandable_segments, bool):
+            raise ValueError(f"{op}.expandable_segments must be None, True or False, got "
+                             f"{checks.describe(self.expandable_segments)}")
+        if self.split_master is not None and not isinstance(self.split_master, bool):
+            raise ValueError(f"{op}.split_master must be None or a bool, got {checks.describe(self.split_master)}")
+
+
+TUNING_FIELDS = tuple(f.name for f in fields(EngineTuning))
+"""The fields that moved from EngineConfig into EngineTuning (`EngineConfig.from_dict` reads old checkpoints)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class EngineConfig:
-    """How the engine holds the model, runs rollout and trains; validated on construction."""
+    """How the engine holds the model, runs rollout and trains: what a user sets. The implementation
+    switches are in `tuning` (`EngineTuning`). Validated on construction."""
 
     dtype: torch.dtype = torch.bfloat16
     """Parameter, activation and KV cache dtype."""
@@ -21,11 +90,6 @@ class EngineConfig:
     """Under torchrun on GPUs, each rank uses cuda:LOCAL_RANK."""
     tp_generation: int = 1
     """Tensor-parallel degree of generation; divides the world size."""
-    tp_all_reduce: str = "auto"
-    """How TP generation (tp_generation > 1) all-reduces: 'symm_mem' (torch symmetric memory over
-    NVLink, `SymmAllReduce`; messages up to max(max_num_seqs, 512) x hidden, larger ones NCCL),
-    'nccl' (dist.all_reduce), or 'auto' (symm_mem on CUDA when it sets up, with a warning when it does
-    not; the process group's all_reduce elsewhere)."""
     block_size: int = 16
     """Tokens per KV cache block (a power of 2)."""
     max_model_len: int = 4096
@@ -44,17 +108,6 @@ class EngineConfig:
     """Most prompt tokens in one prefill step (a longer prompt runs alone)."""
     cuda_graphs: bool = True
     """Replay each decode batch bucket's step as a CUDA graph (CUDA only)."""
-    lazy_cuda_graphs: bool = True
-    """Capture each decode batch bucket's CUDA graph at its first decode step (True) instead of all
-    buckets at rollout entry (False): a rollout whose batch never shrinks captures one graph, so the
-    rollout's set-up is nearly free and generation runs as fast."""
-    async_scheduling: bool = True
-    """Schedule and launch each decode step before the previous step's tokens reach the host: the
-    step's input ids are copied from the previous step's sampled tokens on the device, and the host
-    reads step t's tokens and does its bookkeeping while step t + 1 runs, so the GPU does not idle
-    between steps (vLLM's async scheduling). A sequence that emits a stop token runs one void step
-    more (its row is dropped). Steps before a prefill or a preemption run synchronously. Outputs are
-    the same either way."""
     enable_prefix_caching: bool = True
     """Full KV blocks are reused by later requests with the same token prefix within one rollout(): a
     prompt that starts with a cached prefix (another prompt, or the previous turn of a conversation with
@@ -62,15 +115,6 @@ class EngineConfig:
     one rollout. The tokens after a cached prefix see the same keys, computed in another step: log-probs
     agree with those without it up to the rounding of a differently batched prefill, bitwise under
     exact_logprobs."""
-    fused_training: bool = True
-    """CUDA: run training's RMSNorm, RoPE and SiLU * up (forward and backward) as the Triton kernels of
-    `hybridengine.ops` (rms_norm, rope, silu_mul) instead of eager torch: fewer kernels and fewer saved tensors, so a faster
-    step and a lower peak. Ignored on CPU (eager torch there)."""
-    split_master: bool | None = None
-    """bf16: keep AdamW's fp32 master weights as the bf16 weights (their high half, rounded to nearest,
-    ties away from zero) plus an int16 low half: the same fp32 master, exactly, in 2 bytes per parameter
-    instead of 4, at the same speed. None (default): on for bf16, off otherwise (resolved at
-    construction)."""
     keep_grads: bool = False
     """Keep the fp32 gradient shards (4 bytes a parameter on each rank's shard) after `ppo_step` /
     `value_step`, for inspection; by default each step allocates them as its reduce-scatters arrive and
@@ -80,12 +124,6 @@ class EngineConfig:
     """Seed of random initialisation (when the source is a config) and of unseeded sampling; in [0, 2**63)."""
     collective_timeout_s: float = 300.0
     """How long a rank waits for its peers inside a collective phase before raising (a finite number > 0)."""
-    expandable_segments: bool | None = None
-    """On CUDA, switch torch's caching allocator to expandable segments when the engine is built. Each
-    GRPO step brings other shapes (prompt and response lengths, micro-batch sizes); with fixed-size
-    segments the reserve follows each step's shapes, with expandable ones it stays within a few hundred
-    MiB (the soak bench, docs/benchmarks.md). None: on, unless PYTORCH_CUDA_ALLOC_CONF is set (the
-    caller's choice stands); False: leave the allocator alone. It is a process-wide setting."""
     exact_logprobs: bool = False
     """Exact on-policy mode: for every token `generate` returns, its log-prob equals bitwise what
     `log_probs` (and the first forward of `ppo_step`) computes at that position, whatever the batch, `n`,
@@ -108,14 +146,9 @@ class EngineConfig:
     offload_host_limit_gib: float | None = None
     """With offload: the most host memory (GiB) this rank's offloaded state may take; None: what the
     system has available. A state that needs more raises before anything moves."""
-    sampler: str = "auto"
-    """'fused': a step whose requests all sample without top-k/top-p draws its tokens and log-probs in
-    one Triton pass over the logits (`hybridengine.ops.sample_fused`, Philox noise in the kernel);
-    'torch': always `rollout.sampler.sample` (torch's generators); 'auto': fused on CUDA, torch
-    elsewhere. A step with any truncating request takes `sample` for those rows. The samplers draw
-    different random streams: a seeded request is reproducible within one sampler (independent of
-    batch composition and preemption in both), not across them. Greedy rows give the same tokens in
-    both."""
+    tuning: EngineTuning = field(default_factory=EngineTuning)
+    """Implementation switches (`EngineTuning`): each has the default its benchmarks chose; set them to
+    compare paths, not to configure the engine."""
 
     def __post_init__(self):
         op = "EngineConfig"
@@ -131,52 +164,60 @@ class EngineConfig:
             checks.number(op, name, getattr(self, name), integer=True)
         checks.number(op, "seed", self.seed, low=0, high=2**63, high_open=True, integer=True)
         checks.number(op, "collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
-        if self.expandable_segments is not None and not isinstance(self.expandable_segments, bool):
-            raise ValueError(f"EngineConfig: expandable_segments must be None, True or False, got "
-                             f"{checks.describe(self.expandable_segments)}")
         if self.tp_generation < 1:
             raise ValueError(f"EngineConfig.tp_generation must be >= 1, got {self.tp_generation}")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"EngineConfig.sampler must be 'auto', 'fused' or 'torch', got {self.sampler!r}")
-        if self.sampler == "fused" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"EngineConfig.sampler='fused' on device {self.device!r} needs CUDA or TRITON_INTERPRET=1 "
-                             "(the fused sampler is a Triton kernel)")
-        if self.tp_all_reduce not in TP_ALL_REDUCE:
-            raise ValueError(f"EngineConfig.tp_all_reduce must be one of {TP_ALL_REDUCE}, got {self.tp_all_reduce!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineConfig.block_size must be a power of 2, got {self.block_size}")
         if self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
         checks.number(op, "gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None:
             checks.number(op, "num_kv_blocks", self.num_kv_blocks, integer=True)
             if self.num_kv_blocks < 1:
                 raise ValueError(f"EngineConfig.num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("EngineConfig.max_num_seqs and max_num_batched_tokens must be >= 1")
-        for name in ("cuda_graphs", "lazy_cuda_graphs", "async_scheduling", "enable_prefix_caching", "fused_training",
-                     "keep_grads", "exact_logprobs"):
+        for name in ("cuda_graphs", "enable_prefix_caching", "keep_grads", "exact_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {checks.describe(getattr(self, name))}")
         if self.exact_logprobs and self.tp_generation > 2:
             raise ValueError(f"EngineConfig.exact_logprobs=True needs tp_generation 1 or 2 (the row-parallel sums "
                              f"add two fp32 halves), got tp_generation={self.tp_generation}")
-        if self.exact_logprobs and device_type == "cuda" and not self.fused_training:
-            raise ValueError("EngineConfig.exact_logprobs=True on CUDA needs fused_training=True: training must run "
-                             "the rollout's norm, RoPE and SiLU kernels to compute the same bits")
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"EngineConfig.offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
         if self.offload_host_limit_gib is not None:
             checks.number(op, "offload_host_limit_gib", self.offload_host_limit_gib, low=0, low_open=True)
-        if self.split_master is None:
-            self.split_master = self.dtype == torch.bfloat16
-        if not isinstance(self.split_master, bool):
-            raise ValueError(f"EngineConfig.split_master must be None or a bool, got {checks.describe(self.split_master)}")
-        if self.split_master and self.dtype != torch.bfloat16:
-            raise ValueError(f"EngineConfig.split_master=True needs dtype=torch.bfloat16 (the master's high half), "
+        self._check_tuning(device_type)
+
+    def _check_tuning(self, device_type: str) -> None:
+        """`tuning` against the rest of the config; its own copy, with split_master resolved for this dtype (a
+        tuning object passed to several configs stays as the caller made it)."""
+        if not isinstance(self.tuning, EngineTuning):
+            raise ValueError(f"EngineConfig.tuning must be an EngineTuning, got {checks.describe(self.tuning)}")
+        tuning = self.tuning = dataclasses.replace(self.tuning)
+        if tuning.sampler == "fused" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"EngineTuning.sampler='fused' on device {self.device!r} needs CUDA or TRITON_INTERPRET=1 "
+                             "(the fused sampler is a Triton kernel)")
+        if self.exact_logprobs and device_type == "cuda" and not tuning.fused_training:
+            raise ValueError("EngineConfig.exact_logprobs=True on CUDA needs EngineTuning.fused_training=True: "
+                             "training must run the rollout's norm, RoPE and SiLU kernels to compute the same bits")
+        if tuning.split_master is None:
+            tuning.split_master = self.dtype == torch.bfloat16
+        if tuning.split_master and self.dtype != torch.bfloat16:
+            raise ValueError(f"EngineTuning.split_master=True needs dtype=torch.bfloat16 (the master's high half), "
                              f"got {self.dtype}")
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "EngineConfig":
+        """The config of `dataclasses.asdict` (a checkpoint's meta): `tuning` as a dict, or, in a checkpoint
+        written before EngineTuning, its fields among the others."""
+        saved = dict(saved)
+        tuning = dict(saved.pop("tuning", None) or {})
+        tuning.update({name: saved.pop(name) for name in TUNING_FIELDS if name in saved})
+        return cls(**saved, tuning=EngineTuning(**tuning))
 
     def check_model(self, model) -> None:
         """The model (a `ModelConfig`) can run this config: max_model_len within its positions. Raises

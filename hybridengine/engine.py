@@ -73,8 +73,8 @@ class HybridEngine:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        if device.type == "cuda" and (config.expandable_segments
-                                      or (config.expandable_segments is None and not os.environ.get(ALLOC_CONF))):
+        expandable = config.tuning.expandable_segments
+        if device.type == "cuda" and (expandable or (expandable is None and not os.environ.get(ALLOC_CONF))):
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # see the config field
         # The engine's own process group: its collectives time out after collective_timeout_s, so that a
         # rank that fails inside a phase and stays alive cannot hold its peers for the default 30 minutes.
@@ -127,7 +127,7 @@ class HybridEngine:
             return model
         group = self.sharded.tp_group
         self._tp = TPGroup.of(group, self.sharded.group, self._timeout)
-        self.tp_all_reduce = make_all_reduce(cfg.tp_all_reduce, group, capacity=max(cfg.max_num_seqs, 512)
+        self.tp_all_reduce = make_all_reduce(cfg.tuning.tp_all_reduce, group, capacity=max(cfg.max_num_seqs, 512)
                                              * self.model_config.hidden_size, dtype=cfg.dtype, device=self.device)
         return parallelize(model, vocab_size=self.vocab_size, tp_rank=self.sharded.tp_rank, tp_size=tp, group=group,
                            all_reduce=self.tp_all_reduce)
@@ -161,7 +161,7 @@ class HybridEngine:
             saved = dict(meta.engine_config)
             if torch.device(saved.get("device", "cuda")).type == "cuda":
                 saved.pop("device", None)  # EngineConfig's default: this process's GPU, not the saver's
-            config = EngineConfig(**saved)
+            config = EngineConfig.from_dict(saved)
         engine = cls(meta.model_config, config, role=meta.role)
         engine.hf_config = meta.hf_config
         with engine._guard.phase("load"):
@@ -301,8 +301,8 @@ class HybridEngine:
         if self._training is None:
             limit = self.config.offload_host_limit_gib
             self._training = Trainer(self.sharded, self.model_config, optimizer_config=cfg,
-                                     fused=self.config.fused_training and self.device.type == "cuda",
-                                     split_master=self.config.split_master, keep_grads=self.config.keep_grads,
+                                     fused=self.config.tuning.fused_training and self.device.type == "cuda",
+                                     split_master=self.config.tuning.split_master, keep_grads=self.config.keep_grads,
                                      exact=self.config.exact_logprobs, offload=self.config.offload,
                                      offload_host_limit_bytes=None if limit is None else int(limit * 2**30))
         self._offload.bring_back(stepping=cfg is not None)
@@ -430,7 +430,7 @@ class HybridEngine:
                 self._runner = ModelRunner(self.model, kv, max_num_seqs=self.config.max_num_seqs,
                                            max_model_len=self.config.max_model_len,
                                            use_cuda_graphs=self.config.cuda_graphs,
-                                           lazy_cuda_graphs=self.config.lazy_cuda_graphs,
+                                           lazy_cuda_graphs=self.config.tuning.lazy_cuda_graphs,
                                            exact=self.config.exact_logprobs)
                 self.stats.update(kv_cache_GiB=kv.capacity_bytes() / 2**30, kv_blocks=kv.capacity,
                                   kv_blocks_at_entry=kv.num_blocks,

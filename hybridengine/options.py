@@ -8,6 +8,6 @@ OFFLOAD_MODES = ("none", "rollout", "optimizer")
 """EngineConfig.offload (`train.offload`): 'none' (state on the device), 'rollout' (in host memory during
 rollout()), 'optimizer' (in host memory always, streamed through the device for each step)."""
 TP_ALL_REDUCE = ("auto", "nccl", "symm_mem")
-"""EngineConfig.tp_all_reduce (`model.tensor_parallel.make_all_reduce`): how TP generation all-reduces."""
+"""EngineTuning.tp_all_reduce (`model.tensor_parallel.make_all_reduce`): how TP generation all-reduces."""
 SAMPLERS = ("auto", "fused", "torch")
-"""EngineConfig.sampler: which sampler draws the rollout's tokens."""
+"""EngineTuning.sampler: which sampler draws the rollout's tokens."""

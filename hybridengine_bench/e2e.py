@@ -144,8 +144,9 @@ def ppo_e2e(ctx: Ctx) -> None:
             train_on(ctx, engine, outs, index, w.n, ppo, t)
             return _phase_max(ctx, t)
 
-        def graphs_case() -> dict:  # rows name the lazy setting (EngineConfig.lazy_cuda_graphs) when on
-            return ({"lazy_cuda_graphs": True} if engine.config.lazy_cuda_graphs else {}) | {"prepare_rollout": True}
+        def graphs_case() -> dict:  # rows name the lazy setting (EngineTuning.lazy_cuda_graphs) when on
+            lazy = {"lazy_cuda_graphs": True} if engine.config.tuning.lazy_cuda_graphs else {}
+            return lazy | {"prepare_rollout": True}
 
         step(0)  # warm-up: Triton compilation, CUDA graph pools, optimizer state
         with ctx.peak() as pm:
@@ -153,13 +154,13 @@ def ppo_e2e(ctx: Ctx) -> None:
         _record(ctx, "hybridengine", model, w, steps, pm, **graphs_case())
         share = quantiles([(s["switch_to_generation"] + s["switch_to_training"]) / sum(s.values()) for s in steps])[1]
         ctx.log(f"  {BENCH} hybridengine {model}: the switch is {share:.1%} of the step")
-        if ctx.cuda:  # the other EngineConfig.lazy_cuda_graphs setting (lazy: each decode bucket at its first step)
-            lazy = engine.config.lazy_cuda_graphs
-            engine.config.lazy_cuda_graphs = not lazy
+        if ctx.cuda:  # the other EngineTuning.lazy_cuda_graphs setting (lazy: each decode bucket at its first step)
+            lazy = engine.config.tuning.lazy_cuda_graphs
+            engine.config.tuning.lazy_cuda_graphs = not lazy
             with ctx.peak() as pm:
                 steps = [step(i) for i in range(3, 3 + ctx.reps(2))]
             _record(ctx, "hybridengine", model, w, steps, pm, **graphs_case())
-            engine.config.lazy_cuda_graphs = lazy
+            engine.config.tuning.lazy_cuda_graphs = lazy
         del engine
         release_memory()
 

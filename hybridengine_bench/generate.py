@@ -47,7 +47,7 @@ def _generate_tg(ctx: Ctx, he, model: str, tg: int) -> None:
              dict(name="grpo", prompts=16 * tg, n=8, new_tokens=512)]
     groups = ctx.world // tg  # TP groups; each generates its own batch
     # Each case with async scheduling (the default) and, as a same-run variant, without it; the grpo
-    # case also with the torch sampler (EngineConfig(sampler='torch')) instead of the fused one.
+    # case also with the torch sampler (EngineTuning(sampler='torch')) instead of the fused one.
     variants = [(case, mode, "fused") for case in cases for mode in (True, False)]
     variants += [(case, True, "torch") for case in cases if case["name"] == "grpo"]
     with engine.rollout():
@@ -75,8 +75,8 @@ def _generate_case(ctx: Ctx, he, engine, model: str, tg: int, groups: int, case:
                    sampler: str) -> None:
     """One timed case (warm-up + 3 generate calls) and its rows."""
     w = ctx.work
-    engine.config.async_scheduling = async_scheduling
-    engine.config.sampler = "auto" if sampler == "fused" else sampler
+    engine.config.tuning.async_scheduling = async_scheduling
+    engine.config.tuning.sampler = "auto" if sampler == "fused" else sampler
     ids = random_ids(ctx, case["prompts"], w.prompt, engine.vocab_size, seed=11).tolist()
     params = he.SamplingParams(n=case["n"], temperature=1.0, max_tokens=case["new_tokens"], seed=None)
     run = lambda: engine.generate(ids, params)  # noqa: E731

@@ -48,15 +48,15 @@ def train_step(ctx: Ctx) -> None:
             run(batch, name, f"train_step {name}")
             if name != "dense":
                 continue
-            # The other EngineConfig.fused_training setting (Triton norms, RoPE, SiLU * up) ...
+            # The other EngineTuning.fused_training setting (Triton norms, RoPE, SiLU * up) ...
             trainer.fused = not trainer.fused
             run(batch, name, "train_step, other fused_training")
             trainer.fused = not trainer.fused
-            # ... and the other EngineConfig.split_master setting (fp32 or split AdamW masters): a new
+            # ... and the other EngineTuning.split_master setting (fp32 or split AdamW masters): a new
             # optimizer over the same weights.
-            trainer.reset_optimizer(split_master=not engine.config.split_master)
+            trainer.reset_optimizer(split_master=not engine.config.tuning.split_master)
             release_memory()
             run(batch, name, "train_step, other split_master")
-            trainer.reset_optimizer(split_master=engine.config.split_master)
+            trainer.reset_optimizer(split_master=engine.config.tuning.split_master)
             release_memory()
         del engine, trainer

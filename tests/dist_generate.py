@@ -58,8 +58,9 @@ def check_all_reduce(rank: int, group) -> None:
 def generate(tg: int, mode: str, sampler: str = "auto"):
     cfg = he.model_config("tiny-qwen2")
     engine = he.HybridEngine(cfg, he.EngineConfig(dtype=torch.bfloat16, device="cuda", tp_generation=tg,
-                                                  tp_all_reduce=mode, block_size=16, max_model_len=1024,
-                                                  max_num_seqs=16, gpu_memory_utilization=0.3, sampler=sampler))
+                                                  block_size=16, max_model_len=1024,
+                                                  max_num_seqs=16, gpu_memory_utilization=0.3,
+                                                  tuning=he.EngineTuning(tp_all_reduce=mode, sampler=sampler)))
     assert (engine.tp_all_reduce is not None) == (mode == "symm_mem")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 300, 290, 40)]

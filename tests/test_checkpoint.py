@@ -228,12 +228,13 @@ def test_load_names_a_parameter_the_checkpoint_lacks_or_shapes_otherwise(tmp_pat
 
 
 def test_split_master_engine_trains_like_fp32_master_and_resumes_bitwise(tmp_path, device):
-    """EngineConfig(split_master=True), bf16: the same training as fp32 masters up to the bf16 weights'
+    """EngineTuning(split_master=True), bf16: the same training as fp32 masters up to the bf16 weights'
     tie rounding (their masters agree to bf16 precision after 3 steps), 2 bytes of optimizer state per
     parameter less, and save -> load -> step continues bit for bit (on the test device)."""
     def make(split):
         return he.HybridEngine(build(), he.EngineConfig(dtype=torch.bfloat16, device=str(device), max_model_len=64,
-                                                        max_num_seqs=4, split_master=split))
+                                                        max_num_seqs=4,
+                                                        tuning=he.EngineTuning(split_master=split)))
 
     full, split = make(False), make(True)
     for step in range(3):
@@ -262,7 +263,7 @@ def test_split_master_engine_trains_like_fp32_master_and_resumes_bitwise(tmp_pat
         first.ppo_step(batch(step), CFG)
     first.save(tmp_path / "ck")
     resumed = he.HybridEngine.load(tmp_path / "ck")
-    assert resumed.config.split_master and resumed.device.type == device.type
+    assert resumed.config.tuning.split_master and resumed.device.type == device.type
     for step in range(2, 4):
         resumed.ppo_step(batch(step), CFG)
     for a, b in zip(resumed.sharded.shard_views(), straight.sharded.shard_views()):

@@ -25,7 +25,7 @@ def engine_for(name="tiny-qwen2", *, exact=True, dtype=torch.float32, tp=1, num_
                device=DEVICE, **kw):
     cfg = he.EngineConfig(dtype=dtype, device=str(device), block_size=4, max_model_len=48, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=64, num_kv_blocks=num_kv_blocks, tp_generation=tp,
-                          exact_logprobs=exact, sampler="torch", **kw)
+                          exact_logprobs=exact, tuning=he.EngineTuning(sampler="torch"), **kw)
     return he.HybridEngine(he.model_config(name) if isinstance(name, str) else name, cfg)
 
 
@@ -257,5 +257,5 @@ def test_exact_config_is_checked():
         he.EngineConfig(device="cpu", exact_logprobs=1)
     with pytest.raises(ValueError, match="exact_logprobs=True needs tp_generation 1 or 2"):
         he.EngineConfig(device="cpu", exact_logprobs=True, tp_generation=4)
-    with pytest.raises(ValueError, match="exact_logprobs=True on CUDA needs fused_training=True"):
-        he.EngineConfig(device="cuda", exact_logprobs=True, fused_training=False)
+    with pytest.raises(ValueError, match="exact_logprobs=True on CUDA needs EngineTuning.fused_training=True"):
+        he.EngineConfig(device="cuda", exact_logprobs=True, tuning=he.EngineTuning(fused_training=False))

@@ -108,7 +108,7 @@ def test_async_scheduling_gives_the_same_outputs(blocks, max_num_seqs):
     engine, hf = make_engine("tiny-qwen2", num_kv_blocks=blocks, max_num_seqs=max_num_seqs)
     prompts = prompts_for(hf.config.vocab_size, [3, 9, 17, 6, 5])
     with engine.rollout():
-        engine.config.async_scheduling = False
+        engine.config.tuning.async_scheduling = False
         params = [SamplingParams(temperature=1.0, max_tokens=12, seed=11),
                   SamplingParams(n=2, temperature=1.0, top_k=30, max_tokens=9, seed=5),
                   SamplingParams(temperature=0.0, max_tokens=5),
@@ -124,7 +124,7 @@ def test_async_scheduling_gives_the_same_outputs(blocks, max_num_seqs):
         params[3].stop_token_ids = (mid_stop(probe[3].outputs[1].token_ids),)
         runs = {}
         for mode in (False, True):
-            engine.config.async_scheduling = mode
+            engine.config.tuning.async_scheduling = mode
             outs = engine.generate(prompts, params)
             runs[mode] = ([[(o.token_ids, o.finish_reason) for o in r.outputs] for r in outs],
                           [[o.logprobs for o in r.outputs] for r in outs], dict(engine.stats))
@@ -197,9 +197,9 @@ def test_generate_outside_rollout_and_bad_params():
     with pytest.raises(ValueError, match="tp_generation"):
         he.EngineConfig(tp_generation=0)
     with pytest.raises(ValueError, match=r"split_master=True needs dtype=torch.bfloat16"):
-        he.EngineConfig(dtype=torch.float32, split_master=True)
+        he.EngineConfig(dtype=torch.float32, tuning=he.EngineTuning(split_master=True))
     with pytest.raises(ValueError, match=r"tp_all_reduce must be one of \('auto', 'nccl', 'symm_mem'\), got 'ring'"):
-        he.EngineConfig(tp_all_reduce="ring")
+        he.EngineTuning(tp_all_reduce="ring")
     for kwargs, match in [(dict(max_tokens=2.5), "max_tokens"), (dict(n=True), "n must be"),
                           (dict(temperature="hot"), "temperature"), (dict(top_p=float("nan")), "top_p"),
                           (dict(seed="7"), "seed must be None or an int"),
@@ -212,9 +212,13 @@ def test_generate_outside_rollout_and_bad_params():
                           (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
                           (dict(num_kv_blocks=0), "num_kv_blocks must be None or >= 1"),
                           (dict(cuda_graphs=1), "cuda_graphs must be a bool"),
-                          (dict(split_master="yes"), "split_master must be None or a bool")]:
+                          (dict(tuning=dict(sampler="torch")), "tuning must be an EngineTuning, got dict")]:
         with pytest.raises(ValueError, match=match):
             he.EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match="EngineTuning.split_master must be None or a bool"):
+        he.EngineTuning(split_master="yes")
+    with pytest.raises(ValueError, match="EngineTuning.async_scheduling must be a bool"):
+        he.EngineTuning(async_scheduling=1)
     assert he.EngineConfig(device=torch.device("cpu")).device == "cpu"
     with pytest.raises(ValueError, match="config must be an EngineConfig, got dict"):
         he.HybridEngine(he.model_config("tiny-qwen2"), dict(device="cpu"))
@@ -544,7 +548,7 @@ def test_cuda_async_scheduling_equals_sync(graphs):
               SamplingParams(n=2, temperature=1.0, max_tokens=9, seed=5),
               SamplingParams(temperature=0.0, max_tokens=7)]
     with engine.rollout():
-        engine.config.async_scheduling = False
+        engine.config.tuning.async_scheduling = False
         probe = engine.generate(prompts, params)
         ids = probe[0].outputs[0].token_ids
         params[0].stop_token_ids = (next(t for i, t in enumerate(ids) if 2 <= i <= 15 and t not in ids[:i]),)
@@ -552,7 +556,7 @@ def test_cuda_async_scheduling_equals_sync(graphs):
         params[1].stop_token_ids = (next(t for i, t in enumerate(ids) if 2 <= i <= 10 and t not in ids[:i]),)
         runs = {}
         for mode in (False, True):
-            engine.config.async_scheduling = mode
+            engine.config.tuning.async_scheduling = mode
             runs[mode] = engine.generate(prompts, params)
             assert (engine.stats["async_steps"] > 5) == mode
     for a, b in zip(runs[True], runs[False]):

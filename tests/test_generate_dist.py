@@ -24,7 +24,8 @@ def build(name):
 
 def config(tp, sampler="auto"):
     return he.EngineConfig(dtype=torch.float32, device="cpu", tp_generation=tp, block_size=4, max_model_len=48,
-                           max_num_seqs=8, max_num_batched_tokens=64, sampler=sampler)
+                           max_num_seqs=8, max_num_batched_tokens=64,
+                           tuning=he.EngineTuning(sampler=sampler))
 
 
 def prompts(vocab):

@@ -404,7 +404,8 @@ def engine_for(*, caching, exact=False, num_kv_blocks=None, max_num_seqs=8):
     torch.manual_seed(0)
     cfg = he.EngineConfig(dtype=torch.float32, device="cpu", block_size=4, max_model_len=64,
                           num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-                          exact_logprobs=exact, sampler="torch", enable_prefix_caching=caching)
+                          exact_logprobs=exact, tuning=he.EngineTuning(sampler="torch"),
+                          enable_prefix_caching=caching)
     return he.HybridEngine(he.model_config("tiny-qwen2"), cfg)
 
 

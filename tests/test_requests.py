@@ -69,7 +69,7 @@ def test_generate_equals_the_add_request_step_loop_bitwise(async_scheduling):
     """Greedy and seeded rows, n > 1, stop tokens, admissions from the queue (8 rows for 9 samples): the same
     tokens and log-probs, bit for bit, as `generate`, which runs the same schedule (each in its own rollout:
     the same prefix cache)."""
-    engine = make_engine(async_scheduling=async_scheduling)
+    engine = make_engine(tuning=he.EngineTuning(async_scheduling=async_scheduling))
     prompts = prompts_for([3, 9, 17, 6])
     params = mixed_params()
     with engine.rollout():
@@ -183,7 +183,8 @@ def test_finished_outputs_hold_the_last_token(async_scheduling):
 
     hf = build(initializer_range=0.2)  # at the default 0.02 greedy decoding repeats the prompt's last token
     engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", block_size=4, max_model_len=64,
-                                                 max_num_seqs=8, async_scheduling=async_scheduling))
+                                                 max_num_seqs=8,
+                                                 tuning=he.EngineTuning(async_scheduling=async_scheduling)))
     prompts = prompts_for([3, 9])
     reference = copy.deepcopy(hf).double()
     length = greedy_reference(reference, prompts[0], 5)
@@ -426,11 +427,11 @@ def test_kept_requests_resume_after_a_ppo_step(async_scheduling):
     params = [he.SamplingParams(temperature=0.0, max_tokens=10), he.SamplingParams(n=2, max_tokens=12, seed=7),
               he.SamplingParams(max_tokens=2, seed=1)]
     ids = ["greedy", "seeded", "short"]
-    ref = make_engine(async_scheduling=async_scheduling)
+    ref = make_engine(tuning=he.EngineTuning(async_scheduling=async_scheduling))
     with ref.rollout():
         expected = run_requests(ref, prompts, params, ids)
 
-    engine = make_engine(async_scheduling=async_scheduling)
+    engine = make_engine(tuning=he.EngineTuning(async_scheduling=async_scheduling))
     with engine.rollout(keep_unfinished=True):
         for rid, p, sp in zip(ids, prompts, params):
             engine.add_request(rid, p, sp)

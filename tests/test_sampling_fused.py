@@ -167,7 +167,8 @@ def test_sample_fused_vocab_parallel_equals_one_rank():
 def _engine(sampler, **kw):
     torch.manual_seed(0)
     return he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
-        dtype=torch.float32, device="cpu", block_size=4, max_model_len=64, max_num_seqs=8, sampler=sampler, **kw))
+        dtype=torch.float32, device="cpu", block_size=4, max_model_len=64, max_num_seqs=8,
+        tuning=he.EngineTuning(sampler=sampler), **kw))
 
 
 @pytest.mark.skipif(not _INTERP, reason="the engine's fused sampler on CPU runs under TRITON_INTERPRET=1")
@@ -198,10 +199,10 @@ def test_engine_fused_sampler_greedy_matches_torch_and_seeded_ignores_the_batch(
 
 def test_engine_config_sampler_checks(monkeypatch):
     with pytest.raises(ValueError, match="sampler must be 'auto', 'fused' or 'torch', got 'gumbel'"):
-        he.EngineConfig(sampler="gumbel")
+        he.EngineTuning(sampler="gumbel")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"sampler='fused' on device 'cpu' needs CUDA or TRITON_INTERPRET=1"):
-        he.EngineConfig(device="cpu", sampler="fused")
+        he.EngineConfig(device="cpu", tuning=he.EngineTuning(sampler="fused"))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -116,7 +116,8 @@ def reference_run(hf, batches, first_grads: dict | None = None, dtype=torch.floa
 
 def engine_run(hf, batches, rank, tp, checkpointing=True, fused_training=False, keep_grads=False, device="cpu"):
     engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device=str(device), tp_generation=tp,
-                                                 max_model_len=64, max_num_seqs=4, fused_training=fused_training,
+                                                 max_model_len=64, max_num_seqs=4,
+                                                 tuning=he.EngineTuning(fused_training=fused_training),
                                                  keep_grads=keep_grads))
     if fused_training and engine.device.type != "cuda":
         engine.trainer.fused = True  # the engine runs the fused ops on CUDA only; the caller patched them onto CPU
@@ -217,7 +218,7 @@ def test_single_process_matches_torch_reference(checkpointing):
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_fused_training_kernels_match_torch_reference(monkeypatch, device, checkpointing):
-    """EngineConfig(fused_training=True): the layers' RMSNorm, RoPE and SiLU * up run as the Triton
+    """EngineTuning(fused_training=True): the layers' RMSNorm, RoPE and SiLU * up run as the Triton
     autograd ops (on the test device: on CPU forced onto CPU tensors, under the interpreter); the loss
     and every parameter's gradient of a step equal the plain torch reference's (fp32: 1e-4 relative,
     the kernels' formulas differ from autograd's chain only in rounding), on a model with q/k norms
@@ -337,7 +338,7 @@ def test_generation_logprobs_equal_engine_log_probs(sampler):
     """The log-prob convention (log_softmax(logits / T) at the token) holds for both samplers."""
     hf = build("tiny-llama")
     engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", block_size=4, max_model_len=64,
-                                                 sampler=sampler))
+                                                 tuning=he.EngineTuning(sampler=sampler)))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (4, 9, 13)]
     with engine.rollout():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 if not os.environ.get("CI"):
-    pytest.importorskip("trl", reason="TRL is not installed (pip install 'hybridengine[trl]'); CI installs it")
+    pytest.importorskip("trl", reason="TRL is not installed (make setup EXTRAS=dev,bench,trl); CI installs it")
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 

@@ -293,11 +293,19 @@ def test_tensor_prompts_are_accepted():
     (dict(collective_timeout_s=INF), "collective_timeout_s must be a finite number"),
     (dict(collective_timeout_s="60"), "collective_timeout_s must be a finite number"),
     (dict(seed=2**70), r"seed must be in \[0, 9223372036854775808\)"), (dict(seed=-1), "seed must be in"),
-    (dict(expandable_segments=1), "expandable_segments must be None, True or False, got int"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=rf"EngineConfig: {match}"):
         he.EngineConfig(**kwargs)
+
+
+def test_engine_tuning_rejects_bad_values_and_is_the_configs_own():
+    with pytest.raises(ValueError, match="EngineTuning.expandable_segments must be None, True or False, got int"):
+        he.EngineTuning(expandable_segments=1)
+    tuning = he.EngineTuning()  # split_master None: each config resolves it for its dtype, on its own copy
+    bf16 = he.EngineConfig(device="cpu", dtype=torch.bfloat16, tuning=tuning)
+    fp32 = he.EngineConfig(device="cpu", dtype=torch.float32, tuning=tuning)
+    assert (bf16.tuning.split_master, fp32.tuning.split_master, tuning.split_master) == (True, False, None)
     assert he.EngineConfig().collective_timeout_s == 300.0
 
 

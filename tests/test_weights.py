@@ -189,14 +189,15 @@ def test_a_step_after_load_trains_from_the_loaded_weights(split, offload, inside
     from the old masters (the weights would jump back)."""
     cfg = he.PPOConfig(lr=1e-3, micro_batch_tokens=20, weight_decay=0.01)
     other = hf_model(seed=1)
-    engine = engine_for(hf_model(), dtype=torch.bfloat16, split_master=split, offload=offload)
+    engine = engine_for(hf_model(), dtype=torch.bfloat16, tuning=he.EngineTuning(split_master=split),
+                        offload=offload)
     engine.ppo_step(batch(0), cfg)
     with engine.rollout() if inside else contextlib.nullcontext():
         engine.load_weights(other.state_dict())
     for name, master in masters(engine).items():
         assert torch.equal(master, other.state_dict()[name].to(torch.bfloat16).float()), name
     state = engine.trainer.optimizer.state_dict()
-    twin = engine_for(other, dtype=torch.bfloat16, split_master=split)
+    twin = engine_for(other, dtype=torch.bfloat16, tuning=he.EngineTuning(split_master=split))
     twin.trainer.optimizer.load_state_dict({"step": state["step"], "exp_avg": state["exp_avg"],
                                             "exp_avg_sq": state["exp_avg_sq"],
                                             "master": [p.float() for p in twin.sharded.shard_views()]})

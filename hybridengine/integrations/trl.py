@@ -49,7 +49,8 @@ import torch
 try:
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as e:  # pragma: no cover - the message is the point
-    raise ImportError("hybridengine.integrations.trl needs TRL: pip install 'hybridengine[trl]'") from e
+    raise ImportError("hybridengine.integrations.trl needs TRL (the trl extra: pip install trl==1.16.0, or "
+                      "make setup EXTRAS=dev,bench,trl in a checkout)") from e
 
 from hybridengine.engine import HybridEngine
 from hybridengine.integrations.trl_loss import (IS_MODES, LOSS_TYPES, GRPOLossConfig, grpo_loss,

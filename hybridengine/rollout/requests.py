@@ -296,13 +296,13 @@ class RolloutSession:
                 req = self.requests[seq.request]
                 if len(req.seqs) < req.params.n and seq.sample == len(req.seqs):
                     req.seqs.append(seq)
-        tokens, logprobs = self.sampler(logits, seqs, self.config.sampler)
+        tokens, logprobs = self.sampler(logits, seqs, self.config.tuning.sampler)
         step = async_decode.launch(seqs, tokens, logprobs, self.tp, runner.readback)
         if inflight is not None:
             self._resolve(inflight)
             self.async_steps += 1
         async_decode.reserve(sched, step)
-        if batch.is_prefill or not self.config.async_scheduling:
+        if batch.is_prefill or not self.config.tuning.async_scheduling:
             self._resolve(step)
             self.inflight = None
         else:

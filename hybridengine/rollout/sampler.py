@@ -12,7 +12,7 @@ every row samples at T = 1 without truncation). `sample_ref` is the same computa
 plainly, with every decision taken on the device; `sample` returns exactly what it returns.
 
 `Sampler` is what the rollout loop calls each step: it gives each row to `sample` or to the fused
-sampler (`hybridengine.ops.sample_fused`, EngineConfig.sampler) and keys the fused sampler's rows.
+sampler (`hybridengine.ops.sample_fused`, EngineTuning.sampler) and keys the fused sampler's rows.
 """
 
 from __future__ import annotations

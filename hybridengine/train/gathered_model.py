@@ -29,7 +29,7 @@ from hybridengine.train.released_params import ReleasedParams
 
 class GatheredModel:
     """The model of a ShardedBuffer's training view. `fused`: the layers' norms, RoPE and SiLU * up as Triton
-    kernels (EngineConfig.fused_training); `exact`: the exact attention (EngineConfig.exact_logprobs)."""
+    kernels (EngineTuning.fused_training); `exact`: the exact attention (EngineConfig.exact_logprobs)."""
 
     def __init__(self, sharded: ShardedBuffer, config: ModelConfig, *, fused: bool, exact: bool):
         self.sharded, self.config, self.fused, self.exact = sharded, config, fused, exact

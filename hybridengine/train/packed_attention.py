@@ -40,7 +40,7 @@ class PackedAttention:
         self._cu_device: torch.Tensor | None = None
         self.fused = fused
         """The layers run the autograd Triton ops of hybridengine.ops (`Kernels.TRAIN`,
-        EngineConfig.fused_training) instead of the module code (`Kernels.TORCH`)."""
+        EngineTuning.fused_training) instead of the module code (`Kernels.TORCH`)."""
         self.exact = exact
         """Exact mode (EngineConfig.exact_logprobs): `linear_exact` projections and `exact_attention` also on CPU."""
         self.scale = scale

@@ -55,7 +55,7 @@ class Trainer:
                  offload: str = "none", offload_host_limit_bytes: int | None = None):
         # EngineConfig.exact_logprobs: linear_exact, exact_attention and the exact LM-head pass, the rollout's bits
         self.exact = exact
-        self.split_master = split_master  # EngineConfig.split_master: bf16 weights + int16 low halves
+        self.split_master = split_master  # EngineTuning.split_master: bf16 weights + int16 low halves
         self.keep_grads = keep_grads  # EngineConfig.keep_grads: the grad shards outlive the optimizer step
         # EngineConfig.offload / offload_host_limit_gib: where FlatAdamW keeps its state (train/offload.py)
         self.offload, self.offload_host_limit_bytes = offload, offload_host_limit_bytes
@@ -84,7 +84,7 @@ class Trainer:
 
     @property
     def fused(self) -> bool:
-        """EngineConfig.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels (settable)."""
+        """EngineTuning.fused_training: the layers' norms, RoPE and SiLU * up as Triton kernels (settable)."""
         return self.model.fused
 
     @fused.setter

@@ -167,8 +167,8 @@ def main(argv=None) -> dict:
     engine = he.HybridEngine(cfg, he.EngineConfig(
         dtype=torch.bfloat16 if cuda else torch.float32, device=args.device, max_model_len=1024,
         max_num_seqs=max(128, args.batch), tp_generation=args.tg,
-        gpu_memory_utilization=0.85, cuda_graphs=not args.no_cuda_graphs, async_scheduling=not args.sync,
-        exact_logprobs=args.exact))
+        gpu_memory_utilization=0.85, cuda_graphs=not args.no_cuda_graphs, exact_logprobs=args.exact,
+        tuning=he.EngineTuning(async_scheduling=not args.sync)))
     gen = torch.Generator().manual_seed(11 * 1000)  # hybridengine_bench.common.random_ids(seed=11) on rank 0
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), generator=gen).tolist()
     params = he.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.new_tokens, seed=None)

@@ -84,8 +84,8 @@ def generate_section(rows: list[dict]) -> str:
             "per GPU / the peer's tok/s per GPU on the same workload (the peers ran on 2 GPUs, each GPU generating "
             "for its own 64 prompts). Peak NVML includes the KV cache the engine reserves up front "
             "(gpu_memory_utilization 0.85). Rows marked sync ran with async scheduling off "
-            "(`EngineConfig(async_scheduling=False)`, same engine, same run); rows marked torch sampler drew their "
-            "tokens with `sampling.sample` (`EngineConfig(sampler='torch')`) instead of the fused Triton sampler, "
+            "(`EngineTuning(async_scheduling=False)`, same engine, same run); rows marked torch sampler drew their "
+            "tokens with `sampling.sample` (`EngineTuning(sampler='torch')`) instead of the fused Triton sampler, "
             "the default on CUDA (same engine, same run).\n\n"
             + table(["model", "case", "seqs/GPU x new tokens", "tok/s (p20–p80)", "GPUs", "tok/s per GPU",
                      "decode step", "floor step", f"step / floor (goal <= {GOAL['decode_step_vs_floor']})",
