@@ -4,6 +4,7 @@
 # make test  : set up, then run the test suite on the CPU in TEST_WORKERS pytest-xdist processes (default 2;
 #              PYTEST_ARGS=... picks files or adds flags; CI runs it: .ci/run)
 # make test-latest : the same tests in .venv-latest, where everything is the newest release allowed (no lock)
+# make lint  : ruff over the tree (pyproject.toml's [tool.ruff]; CI runs it)
 # make lock  : rewrite constraints.txt from a fresh venv resolved today (the newest allowed releases)
 # make test-gpu : set up, then build the CUDA extension and run the whole suite on this machine's GPUs
 #                 (bin/test_gpu.sh); the lock holds the CPU wheel of torch, so on a GPU machine run it unlocked
@@ -27,7 +28,7 @@ comma := ,
 # takes minutes says where it is; pip's own lines show each package as it comes.
 step = @echo "== $(1)"; t0=$$(date +%s); $(2) && echo "== $(1): done in $$(( $$(date +%s) - t0 )) s"
 
-.PHONY: setup demo test test-latest lock test-gpu clean FORCE
+.PHONY: setup demo test test-latest lint lock test-gpu clean FORCE
 
 setup: $(STAMP)
 
@@ -54,6 +55,9 @@ TEST_CMD = -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test: setup
 	$(BIN)/python $(TEST_CMD)
+
+lint: setup
+	$(BIN)/ruff check .
 
 # The newest release of everything the set-up installs, torch aside: the newest CPU wheel of torch that pip
 # finds (pip index versions torch; PyPI's Linux wheels are CUDA builds); LATEST_TORCH=torch==X picks another.
