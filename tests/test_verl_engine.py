@@ -223,3 +223,26 @@ def test_bad_input(cpu_group, checkpoint):
         HybridVerlEngine(**cfgs).initialize()
     with pytest.raises(ValueError, match="not EngineConfig field"):
         shared.configure(tp_degree=2)
+
+
+def test_checkpoint_round_trip(cpu_group, checkpoint, tmp_path):
+    ours = EngineRegistry.new("language_model", BACKEND, **_configs(checkpoint, BACKEND))
+    ours.initialize()
+    with ours.train_mode():
+        ours.train_batch(_batch(), loss_function=_loss_fn())
+    ours.lr_scheduler_step()
+    ours.save_checkpoint(str(tmp_path / "step_1"), global_step=1)
+    saved = dict(ours.get_per_tensor_param()[0])
+    shared.reset()
+    back = EngineRegistry.new("language_model", BACKEND, **_configs(checkpoint, BACKEND))
+    back.initialize()
+    back.load_checkpoint(str(tmp_path / "step_1"))
+    loaded = dict(back.get_per_tensor_param()[0])
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert back.engine.policy_version == 1
+    with pytest.raises(RuntimeError, match="already built"):
+        back.load_checkpoint(str(tmp_path / "step_1"))
+    with pytest.raises(ValueError, match="no hybridengine checkpoint"):
+        back.load_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="hdfs_path"):
+        back.save_checkpoint(str(tmp_path / "x"), hdfs_path="hdfs://x")
