@@ -508,7 +508,7 @@ def test_cuda_graph_decode_equals_eager_decode():
         torch.manual_seed(0)
         engine = he.HybridEngine(he.model_config("tiny-qwen2"), he.EngineConfig(
             dtype=torch.float32, device="cuda", block_size=4, max_model_len=64, num_kv_blocks=40, max_num_seqs=8,
-            cuda_graphs=graphs, lazy_cuda_graphs=lazy))
+            cuda_graphs=graphs, tuning=he.EngineTuning(lazy_cuda_graphs=lazy)))
         prompts = prompts_for(engine.vocab_size, [3, 9, 17, 6, 5])
         with engine.rollout():
             res = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=20),
