@@ -17,12 +17,17 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("hybridengine.integrations.verl needs verl: `make setup-verl` (a venv with the verl extra, "
                       "constraints-verl.txt) or `pip install --no-build-isolation -e '.[verl]'`") from e
 
-from verl.workers.rollout import base as _rollout_base
-from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-from hybridengine.integrations.verl.engine import HybridVerlEngine, register_engine
+# The platform first: verl's engine modules (imported by engine.py) read the platform at their import, and
+# with VERL_PLATFORM=cpu it must be registered by then.
 from hybridengine.integrations.verl.platform import CPUPlatform, register_platform
-from hybridengine.integrations.verl.rollout import HybridEngineReplica, HybridEngineRollout, HybridEngineServer
+
+register_platform()
+
+from verl.workers.rollout import base as _rollout_base  # noqa: E402
+from verl.workers.rollout.replica import RolloutReplicaRegistry  # noqa: E402
+
+from hybridengine.integrations.verl.engine import HybridVerlEngine, register_engine  # noqa: E402
+from hybridengine.integrations.verl.rollout import HybridEngineReplica, HybridEngineRollout, HybridEngineServer  # noqa: E402,E501
 
 __all__ = ["BACKEND", "CPUPlatform", "HybridEngineReplica", "HybridEngineRollout", "HybridEngineServer",
            "HybridVerlEngine", "register"]

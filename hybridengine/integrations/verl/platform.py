@@ -12,6 +12,8 @@ platform's Ray resource stays "GPU": on a CPU host give Ray logical GPU slots, o
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import types
 from typing import Any
 
@@ -133,6 +135,24 @@ class CPUPlatform(PlatformBase):
 
 
 def register_platform() -> None:
-    """Register `CPUPlatform` as verl platform "cpu" (idempotent)."""
+    """Register `CPUPlatform` as verl platform "cpu" (idempotent); when VERL_PLATFORM=cpu chooses it, make
+    verl's process-group initialisation default to gloo alone."""
     if PlatformRegistry.get(NAME) is not CPUPlatform:
         PlatformRegistry.register(platform=NAME)(CPUPlatform)
+    if os.environ.get("VERL_PLATFORM", "").strip().lower() == NAME:
+        _default_backend_gloo()
+
+
+def _default_backend_gloo() -> None:
+    from verl.utils import distributed
+
+    init = distributed.initialize_global_process_group_ray
+    if getattr(init, "_hybridengine_cpu", False):
+        return
+
+    @functools.wraps(init)
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return init(timeout_second=timeout_second, backend=backend or "cpu:gloo")
+
+    initialize_global_process_group_ray._hybridengine_cpu = True
+    distributed.initialize_global_process_group_ray = initialize_global_process_group_ray

@@ -159,12 +159,14 @@ class HybridEngineRollout(BaseRollout):
 
 
 def _call_rollout(worker, method: str, *args):
-    """Runs in a worker process (through `__ray_call__`): `worker.rollout.<method>(*args)`."""
-    rollout = getattr(worker, "rollout", None)
-    if not isinstance(rollout, HybridEngineRollout):
-        raise RuntimeError(f"worker {type(worker).__name__} has no hybridengine rollout "
-                           f"(actor_rollout_ref.rollout.name must be 'hybridengine'), found {type(rollout).__name__}")
-    return getattr(rollout, method)(*args)
+    """Runs in a worker process (through `__ray_call__`): `<the rollout>.<method>(*args)`. The rollout is the
+    worker's, or, where verl fuses roles into one process (its `WorkerDict`), one of its workers'."""
+    for role in (worker, *getattr(worker, "worker_dict", {}).values()):
+        rollout = getattr(role, "rollout", None)
+        if isinstance(rollout, HybridEngineRollout):
+            return getattr(rollout, method)(*args)
+    raise RuntimeError(f"worker {type(worker).__name__} has no hybridengine rollout "
+                       f"(actor_rollout_ref.rollout.name must be 'hybridengine')")
 
 
 class HybridEngineServer:
