@@ -12,6 +12,7 @@ slot per worker.
 
     python -m hybridengine.examples.verl_grpo --out /tmp/verl_grpo --steps 30
     python -m hybridengine.examples.verl_grpo --exact   # old log-probs = rollout log-probs (bypass mode)
+    python -m hybridengine.examples.verl_grpo --exact --recompute-old-logprobs   # verl compares them
 """
 
 from __future__ import annotations
@@ -110,15 +111,17 @@ def overrides(paths: dict[str, Path], args: argparse.Namespace) -> list[str]:
         f"trainer.total_training_steps={args.steps}", "trainer.total_epochs=1000",
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.logger=[console,file]", "trainer.project_name=hybridengine",
-        f"trainer.experiment_name=verl_grpo{'_exact' if args.exact else ''}",
+        "trainer.experiment_name=verl_grpo",
         f"trainer.default_local_dir={args.out}/checkpoints",
     ]
-    if args.exact:  # rollout log-probs are the trainer's bit for bit: verl uses them as the old log-probs
-        over += ["+actor_rollout_ref.rollout.engine_kwargs.hybridengine.exact_logprobs=true",
-                 "algorithm.rollout_correction.bypass_mode=true"]
+    if args.exact:  # rollout log-probs are the trainer's bit for bit
+        over.append("+actor_rollout_ref.rollout.engine_kwargs.hybridengine.exact_logprobs=true")
+        if not args.recompute_old_logprobs:  # verl takes them as the old log-probs: no recompute pass
+            over.append("algorithm.rollout_correction.bypass_mode=true")
     if not torch.cuda.is_available():
         # Ray's CPU count is logical: verl's placement groups ask max_colocate_count (3) CPUs per worker bundle.
-        over += ["trainer.device=cpu", "+ray_kwargs.ray_init.num_cpus=8", "+ray_kwargs.ray_init.num_gpus=1"]
+        over += ["trainer.device=cpu", "+ray_kwargs.ray_init.num_cpus=8", "+ray_kwargs.ray_init.num_gpus=1",
+                 "+ray_kwargs.ray_init.include_dashboard=false"]
     return over
 
 
@@ -134,6 +137,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exact", action="store_true", help="exact log-probs; verl skips its old-log-prob recompute")
+    p.add_argument("--recompute-old-logprobs", action="store_true",
+                   help="with --exact: keep verl's recompute, which then logs the rollout/trainer difference "
+                        "(training/rollout_probs_diff_max)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the verl run is stopped")
     return p.parse_args(argv)
 
