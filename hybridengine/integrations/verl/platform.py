@@ -78,8 +78,9 @@ class CPUPlatform(PlatformBase):
     def is_platform_available(self, use_smi_check=False) -> bool:
         return False  # chosen with VERL_PLATFORM=cpu only, never detected
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> str:
+        # verl moves tensors with `.to(get_device_id())`; `.to(0)` would mean cuda:0.
+        return "cpu"
 
     def device_count(self) -> int:
         return 1
