@@ -6,6 +6,11 @@
 # make test-latest : the same tests in .venv-latest, where everything is the newest release allowed (no lock)
 # make lint  : ruff over the tree (pyproject.toml's [tool.ruff]; CI runs it)
 # make lock  : rewrite constraints.txt from a fresh venv resolved today (the newest allowed releases)
+# make setup-verl : the verl integration's venv, .venv-verl: the dev and verl extras, every version from
+#                   constraints-verl.txt (verl 0.9.1 needs transformers < 5.11, so it has its own venv and lock)
+# make test-verl  : set up .venv-verl, then run the verl tests there (VERL_TESTS; verl's trainer over a local
+#                   Ray, a few minutes on 2 cores; CI runs it after the other jobs)
+# make lock-verl  : rewrite constraints-verl.txt from a fresh venv resolved today
 # make test-gpu : set up, then build the CUDA extension and run the whole suite on this machine's GPUs
 #                 (bin/test_gpu.sh); the lock holds the CPU wheel of torch, so on a GPU machine run it unlocked
 #                 with a CUDA torch: `make test-gpu LOCK=`
@@ -28,7 +33,7 @@ comma := ,
 # takes minutes says where it is; pip's own lines show each package as it comes.
 step = @echo "== $(1)"; t0=$$(date +%s); $(2) && echo "== $(1): done in $$(( $$(date +%s) - t0 )) s"
 
-.PHONY: setup demo test test-latest lint lock test-gpu clean FORCE
+.PHONY: setup demo test test-latest lint lock test-gpu setup-verl test-verl lock-verl clean FORCE
 
 setup: $(STAMP)
 
@@ -106,8 +111,32 @@ lock:
 	mv $(LOCK).new $(LOCK)
 	@echo "== $(LOCK): $$(grep -c '==' $(LOCK)) packages"
 
+# The verl integration: the same set-up in its own venv with its own lock, then its tests in one process (the
+# loop tests start a local Ray cluster each, one at a time).
+VERL_VENV ?= .venv-verl
+VERL_LOCK ?= constraints-verl.txt
+VERL_TESTS ?= tests/test_verl_rollout.py tests/test_verl_engine.py tests/test_verl_loop.py
+
+setup-verl:
+	$(MAKE) setup VENV=$(VERL_VENV) LOCK=$(VERL_LOCK) EXTRAS=dev,verl
+
+test-verl: setup-verl
+	$(VERL_VENV)/bin/pip list --format=freeze | grep -i -E '^(torch|transformers|verl|ray|tensordict)=='
+	$(VERL_VENV)/bin/python -m pytest -q $(VERL_TESTS) $(PYTEST_ARGS)
+
+lock-verl:
+	rm -rf $(LOCK_VENV)-verl
+	$(call step,venv $(LOCK_VENV)-verl,$(PYTHON) -m venv $(LOCK_VENV)-verl)
+	$(call step,$(TORCH) and build tools,$(LOCK_VENV)-verl/bin/pip install $(TORCH) setuptools wheel ninja)
+	$(call step,hybridengine[dev$(comma)verl],\
+	  MAX_JOBS=2 $(LOCK_VENV)-verl/bin/pip install --no-build-isolation -e '.[dev$(comma)verl]')
+	{ echo "# The verl extra's lock (make setup-verl: $(VERL_VENV), EXTRAS=dev,verl), $$($(LOCK_VENV)-verl/bin/python --version)"; \
+	  echo "# on $$(uname -m), make lock-verl $$(date -u +%Y-%m-%d): every package it installs, the package itself and pip aside."; \
+	  $(LOCK_VENV)-verl/bin/pip freeze --all --exclude-editable | grep -v -E '^(pip|hybridengine)=='; } > $(VERL_LOCK)
+	@echo "== $(VERL_LOCK): $$(grep -c '==' $(VERL_LOCK)) packages"
+
 test-gpu: setup
 	PYTHON=$(BIN)/python bash bin/test_gpu.sh $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info hybridengine/_C*.so
+	rm -rf $(VENV) $(LATEST_VENV) $(VERL_VENV) build *.egg-info hybridengine/_C*.so
