@@ -3,7 +3,8 @@ agent loop, reward loop, GRPO advantages and policy loss) running the demo task 
 actor.strategy=hybridengine, rollout.name=hybridengine, one HybridEngine per worker, no weight sync.
 
 - exact mode with verl's old-log-prob recompute kept: verl compares its recomputed old log-probs with
-  the rollout's and finds no difference (training/rollout_probs_diff_max == 0), and the reward rises;
+  the rollout's and finds no difference (training/rollout_probs_diff_max == 0), and the reward rises
+  (30 steps: 0.07 -> 0.45);
 - exact mode with bypass (algorithm.rollout_correction.bypass_mode): verl skips the recompute pass.
 
 Each run starts Ray and verl's workers (about 30 s on 2 cores) before its steps (about 2.5 s each).
@@ -37,7 +38,7 @@ def test_verl_grpo_reward_rises_with_exact_logprobs(tmp_path):
     rewards = [row["critic/score/mean"] for row in history]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert first < 0.3, rewards  # chance is 1 in 10
-    assert last > first + 0.3, rewards
+    assert last > first + 0.2, rewards  # measured: 0.07 -> 0.45 (mean of the last 5)
     # no weight sync: verl's update_weights step is the switch alone
     assert max(row["timing_s/update_weights"] for row in history) < 0.5
 
