@@ -217,13 +217,14 @@ class HybridEngine:
         order = {name: i for i, (name, _) in enumerate(self.model.named_parameters())}
         keep = not rank0_only or self.rank == 0
         tied = self.role == "actor" and self.model_config.tie_word_embeddings
+        tied_head, embed = weights.tied_names(self.model_config.model_type)
         for u, names in enumerate(weights.unit_names(self.sharded.layout, order)):
             with self._guard.work("state_dict"):
                 items = weights.unit_tensors(self.sharded, u, names, device=device, keep=keep)
             for name, tensor in items:
                 yield name, tensor
-                if tied and name == weights.EMBED:
-                    yield weights.TIED_HEAD, tensor
+                if tied and name == embed:
+                    yield tied_head, tensor
 
     def load_weights(self, weights, *, strict: bool = True) -> list[str]:
         """Write named tensors (transformers naming, full shapes; a mapping or an iterable of pairs, which

@@ -176,7 +176,7 @@ def test_checkpoint_in_the_old_parameter_order_loads(tmp_path, monkeypatch):
     import hybridengine.sharding.layout as layout_mod
     import hybridengine.model.decoder as model_mod
 
-    def module_order(named_shapes, head_dim=None):  # param_specs without the reordering
+    def module_order(named_shapes, head_dim=None, plan=None):  # param_specs without the reordering
         specs = []
         for name, shape in named_shapes:
             granule = head_dim if (head_dim and any(f".{p}_proj." in name for p in "qkv")) else 1

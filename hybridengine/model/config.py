@@ -1,4 +1,5 @@
-"""The shapes and options of a Llama-family decoder (`ModelConfig`, `RopeConfig`), from HF configs."""
+"""The shapes and options of a decoder (`ModelConfig`, `RopeConfig`), from HF configs; the model family
+(`hybridengine.model.family`) translates the fields that depend on it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from hybridengine.model.family import family_of, supported_model_types
+
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -57,10 +59,10 @@ class RopeConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The shapes and options of one Llama-family decoder."""
+    """The shapes and options of one decoder."""
 
     model_type: str
-    """The HF model_type: one of SUPPORTED_MODEL_TYPES."""
+    """The HF model_type: one with a registered model family (`family.supported_model_types()`)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -90,11 +92,29 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
     """Std of the normal init of linear and embedding weights (random init)."""
+    num_experts: int = 0
+    """Mixture of experts: routed experts per MoE layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """MoE: the experts each token is routed to (top-k of the router's softmax)."""
+    moe_intermediate_size: int = 0
+    """MoE: the intermediate size of each routed expert."""
+    norm_topk_prob: bool = False
+    """MoE: the top-k routing weights are renormalised to sum to 1 (Qwen3-MoE)."""
+    shared_expert_intermediate_size: int = 0
+    """MoE: the intermediate size of the shared expert every token goes through, scaled by sigmoid of its gate
+    (Qwen2-MoE); 0: none."""
+    decoder_sparse_step: int = 1
+    """MoE: layer i is an MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """MoE: layers with a dense MLP of intermediate_size."""
+    router_aux_loss_coef: float = 0.0
+    """MoE: coefficient of the load-balancing loss added in training (transformers' formula); transformers adds
+    it only with output_router_logits, so a model translated from a config without it has 0."""
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(self.model_type, str) or self.model_type not in supported_model_types():
             raise ValueError(f"ModelConfig: model_type {self.model_type!r} is not supported; "
-                             f"supported: {SUPPORTED_MODEL_TYPES}")
+                             f"supported: {supported_model_types()}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -117,6 +137,23 @@ class ModelConfig:
                              f"entries from {LAYER_TYPES}, got {self.layer_types}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig: layer_types has sliding_attention layers but sliding_window is None")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts < 0 or self.shared_expert_intermediate_size < 0 or self.router_aux_loss_coef < 0:
+            raise ValueError(f"ModelConfig: num_experts={self.num_experts}, shared_expert_intermediate_size="
+                             f"{self.shared_expert_intermediate_size} and router_aux_loss_coef="
+                             f"{self.router_aux_loss_coef} must be >= 0")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"ModelConfig: num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                 f"[1, num_experts={self.num_experts}]")
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError(f"ModelConfig: moe_intermediate_size={self.moe_intermediate_size} and "
+                                 f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1 with experts")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's feed-forward is the mixture of experts (else the dense MLP)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer i, or None for full causal attention."""
@@ -124,33 +161,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
-        """Translate a transformers config; a feature this model does not implement is a ValueError."""
+        """Translate a transformers config (the shared fields here, the family's through its
+        `config_from_hf`); a feature this model does not implement is a ValueError."""
         model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in supported_model_types():
             raise ValueError(f"model_type {model_type!r} (architectures {getattr(hf_config, 'architectures', None)}) "
-                             f"is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+                             f"is not supported; supported: {supported_model_types()}")
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{model_type}: hidden_act {act!r} is not supported; only 'silu' (SwiGLU MLP)")
         heads = hf_config.num_attention_heads
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        kw = dict(
-            qkv_bias={"qwen2": True, "mistral": False}.get(model_type, attention_bias),
-            o_bias=attention_bias if model_type in ("llama", "qwen3") else False,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
-        )
-        if model_type == "llama":
-            sliding_window, layer_types = None, ()
-        elif model_type == "mistral":
-            sliding_window, layer_types = getattr(hf_config, "sliding_window", None), ()
-        else:  # qwen2/qwen3: HF sets sliding_window None unless use_sliding_window; layer_types say which layers
-            sliding_window = getattr(hf_config, "sliding_window", None)
-            if not getattr(hf_config, "use_sliding_window", False):
-                sliding_window = None
-            layer_types = getattr(hf_config, "layer_types", None) or [
-                "sliding_attention" if sliding_window is not None and i >= hf_config.max_window_layers
-                else "full_attention" for i in range(hf_config.num_hidden_layers)]
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -162,12 +182,10 @@ class ModelConfig:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             rms_norm_eps=hf_config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            sliding_window=sliding_window,
-            layer_types=tuple(layer_types),
             rope=_rope_from_hf(hf_config),
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
             initializer_range=getattr(hf_config, "initializer_range", 0.02),
-            **kw,
+            **family_of(model_type).config_from_hf(hf_config),
         )
 
 

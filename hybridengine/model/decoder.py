@@ -1,8 +1,10 @@
-"""A compact Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) whose weights are views of one flat buffer.
+"""A compact decoder (the Llama family, and with a model family's feed-forward its MoE kin) whose weights are
+views of one flat buffer.
 
 gpt-fast / nano-vllm style: one file, plain torch, single device. Module and parameter names are
 exactly the Hugging Face ones (`model.layers.0.self_attn.q_proj.weight`, ...) so safetensors load
-by name and `layout.param_specs` assigns TP roles. Every parameter is an `nn.Parameter` aliasing
+by name, and the model family (model/family.py) declares each layer's feed-forward module and the parallel
+role of every parameter (`layout.param_specs` reads its plan). Every parameter is an `nn.Parameter` aliasing
 a view of `CausalLM.flat_buffer`; sharding and resharding act on that buffer from outside, so
 this file never imports `torch.distributed`.
 
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridengine.model.config import ModelConfig
+from hybridengine.model.family import family_of
 from hybridengine.ops.exact_linear import linear_exact
 from hybridengine.ops.rms_norm import rms_norm, rms_norm_train
 from hybridengine.ops.rope import rope_train
@@ -72,6 +75,10 @@ class FlatAttention(Protocol):
                sliding_window: int | None) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. A `Kernels.ROLLOUT` backend also takes
         `rope=(cos, sin)`: q and k not rotated yet, rotated in the KV store's kernel."""
+
+    def record_routing(self, layer: int, router_logits: torch.Tensor, experts: torch.Tensor) -> None:
+        """An MoE layer's router logits [N, E] (with autograd in training) and chosen experts int64 [N, k]:
+        training's load-balancing loss reads them; the rollout ignores them."""
 
 
 class VocabSlice(Protocol):
@@ -244,22 +251,45 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The dense SwiGLU feed-forward (of intermediate_size, or `intermediate_size` when given: a shared expert)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        c = config
-        self.gate_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias)
-        self.up_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias)
-        self.down_proj = _linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+        c, inter = config, intermediate_size or config.intermediate_size
+        self.gate_proj = _linear(c.hidden_size, inter, c.mlp_bias)
+        self.up_proj = _linear(c.hidden_size, inter, c.mlp_bias)
+        self.down_proj = _linear(inter, c.hidden_size, c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def forward_flat(self, h: torch.Tensor, ops: _FlatOps, exact: bool, attn: FlatAttention,
+                     layer_idx: int) -> torch.Tensor:
+        """Flat tokens h [N, hidden] (normed) with the ops of `attn.kernels` (`Kernels.TORCH` or `TRAIN`)."""
+        act = ops.silu_mul(project(self.gate_proj, h, exact), project(self.up_proj, h, exact))
+        return project(self.down_proj, act, exact, True)
+
+    def forward_rollout(self, h: torch.Tensor, exact: bool, attn: FlatAttention, layer_idx: int) -> torch.Tensor:
+        """`Kernels.ROLLOUT`: one GEMM for gate and up where they are adjacent; in exact mode down_proj's
+        unrounded fp32 sum (the caller's next norm rounds it)."""
+        gate_up = None if self.gate_proj.bias is not None else stacked_rows(self.gate_proj.weight,
+                                                                            self.up_proj.weight)
+        if gate_up is not None:  # one GEMM for both projections (adjacent in the flat buffer)
+            gu = linear_exact(h, gate_up) if exact else F.linear(h, gate_up)
+            inter = self.gate_proj.weight.shape[0]
+            act = silu_mul(gu[..., :inter], gu[..., inter:])
+        else:
+            act = silu_mul(project(self.gate_proj, h, exact), project(self.up_proj, h, exact))
+        return project(self.down_proj, act, exact, True, fp32_sum=True)
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    """Attention and the feed-forward module of the model family (`mlp`: the dense `MLP` or an MoE block)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -271,40 +301,33 @@ class DecoderLayer(nn.Module):
         if attn is None:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin)
             return x + self.mlp(self.post_attention_layernorm(x))
-        ops, exact, mlp = _FLAT_OPS[attn.kernels], attn.exact, self.mlp
+        ops, exact = _FLAT_OPS[attn.kernels], attn.exact
         x = x + self.self_attn.forward_flat(ops.rms_norm(x, self.input_layernorm), cos, sin, attn, layer_idx, ops)
         h = ops.rms_norm(x, self.post_attention_layernorm)
-        act = ops.silu_mul(project(mlp.gate_proj, h, exact), project(mlp.up_proj, h, exact))
-        return x + project(mlp.down_proj, act, exact, True)
+        return x + self.mlp.forward_flat(h, ops, exact, attn, layer_idx)
 
     def forward_rollout(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         attn: FlatAttention, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `Kernels.ROLLOUT` layer on (normed input h, residual stream): returns (MLP output, residual
         after the attention), whose sum is the layer's output. The caller adds them inside the next norm
         kernel (`rms_norm(mlp_out, w, eps, residual=...)`), so no layer spends a kernel on that add."""
-        norm2, mlp, exact = self.post_attention_layernorm, self.mlp, attn.exact
+        norm2 = self.post_attention_layernorm
         a = self.self_attn.forward_rollout(h, cos, sin, attn, layer_idx)
         h, residual = rms_norm(a, norm2.weight, norm2.eps, residual=residual)
-        gate_up = None if mlp.gate_proj.bias is not None else stacked_rows(mlp.gate_proj.weight,
-                                                                                 mlp.up_proj.weight)
-        if gate_up is not None:  # one GEMM for both projections (adjacent in the flat buffer)
-            gu = linear_exact(h, gate_up) if exact else F.linear(h, gate_up)
-            inter = mlp.gate_proj.weight.shape[0]
-            act = silu_mul(gu[..., :inter], gu[..., inter:])
-        else:
-            act = silu_mul(project(mlp.gate_proj, h, exact), project(mlp.up_proj, h, exact))
-        return project(mlp.down_proj, act, exact, True, fp32_sum=True), residual  # rounded in the next norm
+        return self.mlp.forward_rollout(h, attn.exact, attn, layer_idx), residual  # rounded in the next norm
 
 
 class Decoder(nn.Module):
-    """HF's `model.` prefix: embedding, layers, final norm."""
+    """HF's `model.` prefix: embedding, layers (each with its family's feed-forward), final norm."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        build_mlp = family_of(config.model_type).build_mlp
         # _weight skips reset_parameters: its normal_ on a meta tensor imports torch._dynamo (seconds).
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size, device="meta"))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, build_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -321,12 +344,14 @@ class CausalLM(nn.Module):
                  device: torch.device | str = "cpu", buffer: FlatParamBuffer | None = None):
         super().__init__()
         self.config = config
+        self.family = family_of(config.model_type)
         # Parameters are declared on the meta device (shapes only), then rebound to buffer views.
         self.model = Decoder(config)
         self.lm_head = None if config.tie_word_embeddings or config.value_head else \
             _linear(config.hidden_size, config.vocab_size, False)
         self.score = _linear(config.hidden_size, 1, False) if config.value_head else None
-        specs = param_specs([(name, tuple(p.shape)) for name, p in self.named_parameters()], config.head_dim)
+        specs = param_specs([(name, tuple(p.shape)) for name, p in self.named_parameters()], config.head_dim,
+                            plan=self.family.plan)
         shapes = [(s.name, s.shape) for s in specs]  # the flat buffer's order (see param_specs)
         if buffer is None:
             buffer = FlatParamBuffer(specs, dtype=dtype, device=device)

@@ -5,7 +5,8 @@ was written exactly once, and only then returns it: a failed load leaves nothing
 
 Checkpoint rules (each violation is a ValueError naming the tensor, and the file when there is one):
 - every model parameter must be present once, with its exact shape and a floating dtype (it is
-  converted to the model dtype);
+  converted to the model dtype), or in pieces that the model family places (`ModelFamily.hf_piece`:
+  per-expert weights of a stacked parameter), each exactly once;
 - any other tensor is an error, except non-parameter buffers HF used to save (`rotary_emb.inv_freq`)
   and, for tied embeddings, an `lm_head.weight` equal to `model.embed_tokens.weight` after
   conversion (older checkpoints and `state_dict()` of tied HF models carry both). A *different*
@@ -121,6 +122,24 @@ def check_hf_tensor(name: str, item, where: str, shapes: Mapping[str, tuple[int,
     return target
 
 
+def check_hf_piece(name: str, item, where: str, piece: tuple[str, tuple], views: Mapping[str, torch.Tensor],
+                   model_type: str) -> tuple[str, torch.Tensor]:
+    """(parameter, the view of its part) that the checkpoint tensor `name` fills (`piece`, from the family's
+    `hf_piece`); a ValueError naming the tensor and `where` for a shape other than the part's or a dtype that
+    is not floating."""
+    target, index = piece
+    if target not in views:
+        raise ValueError(f"unexpected tensor {name!r} in {where}: {target!r} is not a parameter of this "
+                         f"{model_type} model")
+    view = views[target][index]
+    shape, dtype, is_float = _header(item)
+    if shape != tuple(view.shape):
+        raise ValueError(f"tensor {name!r} in {where} has shape {shape}, expected {tuple(view.shape)}")
+    if not is_float:
+        raise ValueError(f"tensor {name!r} in {where} has dtype {dtype}, expected a floating dtype")
+    return target, view
+
+
 def check_tied_head(head: torch.Tensor, embed: torch.Tensor, where: str) -> None:
     """A tied model's `lm_head.weight` must equal its embedding (`embed`, in the model dtype) after conversion."""
     if not torch.equal(head.to(embed.dtype).to(embed.device), embed):
@@ -137,10 +156,18 @@ def _fill(model: CausalLM, tensors: Iterator[tuple[str, object, str]]) -> None:
     views = model.flat_buffer.views()
     shapes = {n: tuple(v.shape) for n, v in views.items()}
     seen: dict[str, str] = {}
+    pieces: dict[str, int] = {}  # parameter -> elements written by pieces
     tied_head: tuple[torch.Tensor, str] | None = None
     for name, item, where in tensors:
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice: in {seen[name]} and in {where}")
+        piece = model.family.hf_piece(name, model.config)
+        if piece is not None:
+            target, view = check_hf_piece(name, item, where, piece, views, model.config.model_type)
+            seen[name] = where
+            view.copy_(item if isinstance(item, torch.Tensor) else item[:])
+            pieces[target] = pieces.get(target, 0) + view.numel()
+            continue
         target = check_hf_tensor(name, item, where, shapes, tied=model.config.tie_word_embeddings,
                                  model_type=model.config.model_type)
         if target is None:
@@ -151,7 +178,10 @@ def _fill(model: CausalLM, tensors: Iterator[tuple[str, object, str]]) -> None:
             tied_head = (tensor, where)
         else:
             views[name].copy_(tensor)
-    missing = [n for n in views if n not in seen]
+    both = [n for n in pieces if n in seen]
+    if both:
+        raise ValueError(f"tensor {both[0]!r} is given whole and in per-expert pieces")
+    missing = [n for n in views if n not in seen and pieces.get(n, 0) != views[n].numel()]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"missing tensors: {shown}")

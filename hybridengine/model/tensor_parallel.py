@@ -39,6 +39,10 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(config, name) % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide {name}={getattr(config, name)}")
+    if tp_size > 1 and config.num_experts:
+        raise ValueError(f"tp_size={tp_size}: tensor-parallel generation of a mixture-of-experts model needs expert-"
+                         "parallel generation (the layout cuts the experts across TP ranks, role 'expert'), which "
+                         "the engine does not have: use tp_generation=1")
     if tp_size > 1 and (config.o_bias or config.mlp_bias):
         raise ValueError("tensor-parallel generation does not support o_proj/down_proj biases (they would be "
                          "added once per TP rank by the all-reduce)")

@@ -68,6 +68,9 @@ class AttentionMetadata:
     def kernels(self) -> Kernels:
         return Kernels.ROLLOUT if self.fused else Kernels.TORCH
 
+    def record_routing(self, layer: int, router_logits: torch.Tensor, experts: torch.Tensor) -> None:
+        """An MoE layer's routing (`FlatAttention.record_routing`): the rollout keeps none."""
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Store this step's K/V in the cache and attend. `rope` = (cos, sin) (`Kernels.ROLLOUT`): q and k

@@ -7,7 +7,7 @@ generation. Each slice is cut into `m = N / tg` equal training shards, so rank `
 trains a shard that lies inside the slice it generates with: the optimizer updates, in place, the
 very elements the rollout reads.
 
-Slicing rule by role (`tp_role` picks the role from the HF parameter name):
+Slicing rule by role (the model family's `ParallelPlan` gives each parameter its role; model/family.py):
 
 - ``column``: split dim 0 into tg equal parts (q/k/v/gate/up weights and q/k/v biases). For q/k/v
   the split must fall on head boundaries (`granule` = head_dim).
@@ -15,7 +15,9 @@ Slicing rule by role (`tp_role` picks the role from the HF parameter name):
 - ``vocab``: split dim 0 of the embedding / LM head into tg parts of `ceil(V / tg)` rows; a
   vocabulary that tg does not divide is padded: the last slice's slot keeps its full size and
   the missing rows are padding (zero, never a parameter element).
-- ``replicated``: norms and any other bias: a full copy in *every* slice. Unpack reads the copy
+- ``expert``: stacked expert weights [experts, ...]: split dim 0 into tg equal parts of whole experts,
+  so that TP rank t holds its own experts (expert parallelism in generation).
+- ``replicated``: norms, routers and any other bias: a full copy in *every* slice. Unpack reads the copy
   of slice 0; pack writes the gradient into every copy, so copies updated by the same elementwise
   optimizer stay bitwise equal. Norm-style reductions must count them once.
 
@@ -27,38 +29,32 @@ elements, executed by the fused `segment_copy` op.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
-ROLES = ("column", "row", "vocab", "replicated")
-
-_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+from hybridengine.model.family import ROLES, ParallelPlan
 
 
-def tp_role(name: str) -> str:
-    """The TP slicing role of a parameter, from its HF-style name."""
-    if _COLUMN.search(name):
-        return "column"
-    if _ROW.search(name):
-        return "row"
-    if _VOCAB.search(name):
-        return "vocab"
-    return "replicated"
+def _dense_plan() -> ParallelPlan:
+    # The dense Llama family's plan, for callers that pass none; a lazy import: the families import the decoder,
+    # which imports this module.
+    from hybridengine.model.families.dense import DENSE_PLAN
+
+    return DENSE_PLAN
 
 
-def unit_of(name: str) -> str:
-    """The unit a parameter belongs to: 'embed', 'layers.<i>' or 'head'."""
-    if m := _LAYER.search(name):
-        return f"layers.{int(m.group(2))}"
-    if "embed_tokens" in name:
-        return "embed"
-    return "head"
+def tp_role(name: str, plan: ParallelPlan | None = None) -> str:
+    """The parallel role `plan` (default: the dense Llama family's) gives parameter `name`; a ValueError for a
+    name the plan does not cover."""
+    return (plan or _dense_plan()).resolve(name)[0]
+
+
+def unit_of(name: str, plan: ParallelPlan | None = None) -> str:
+    """The unit of parameter `name` under `plan` (default: the dense Llama family's): 'embed', 'layers.<i>'
+    or 'head'."""
+    return (plan or _dense_plan()).resolve(name)[1]
 
 
 def _round_up(x: int, k: int) -> int:
@@ -86,7 +82,7 @@ class ParamSpec:
             raise ValueError(f"ParamSpec {self.name!r}: granule must be an int >= 1, got {self.granule!r}")
         if self.role not in ROLES:
             raise ValueError(f"ParamSpec {self.name!r}: role {self.role!r} is not one of {ROLES}")
-        if self.role in ("column", "row", "vocab") and len(self.shape) < (2 if self.role == "row" else 1):
+        if self.role in ("column", "row", "vocab", "expert") and len(self.shape) < (2 if self.role == "row" else 1):
             raise ValueError(f"ParamSpec {self.name!r}: role {self.role!r} needs more dims than {self.shape}")
         if any(s <= 0 for s in self.shape):
             raise ValueError(f"ParamSpec {self.name!r}: shape {self.shape} has an empty dim")
@@ -97,7 +93,7 @@ class ParamSpec:
 
     def slice_shape(self, tp_size: int) -> tuple[int, ...]:
         """Shape of the piece one TP rank holds (vocab: padded rows included)."""
-        if self.role in ("column", "vocab"):
+        if self.role in ("column", "vocab", "expert"):
             return (math.ceil(self.shape[0] / tp_size), *self.shape[1:])
         if self.role == "row":
             return (self.shape[0], self.shape[1] // tp_size, *self.shape[2:])
@@ -108,7 +104,7 @@ class ParamSpec:
         if self.role == "replicated" or tp_size == 1:
             return [(0, self.numel)]
         inner = math.prod(self.shape[1:])
-        if self.role == "column":
+        if self.role in ("column", "expert"):
             rows = self.shape[0] // tp_size
             return [(t * rows * inner, rows * inner)]
         if self.role == "vocab":
@@ -124,6 +120,10 @@ class ParamSpec:
             raise ValueError(
                 f"parameter {self.name!r} (column-parallel, shape {self.shape}, granule {self.granule}): "
                 f"dim 0 must divide into tp_size={tp_size} slices of whole granules")
+        if self.role == "expert" and self.shape[0] % (tp_size * self.granule):
+            raise ValueError(
+                f"parameter {self.name!r} (expert-parallel, shape {self.shape}): its {self.shape[0]} experts "
+                f"must divide into tp_size={tp_size} slices of whole experts")
         if self.role == "row" and self.shape[1] % (tp_size * self.granule):
             raise ValueError(
                 f"parameter {self.name!r} (row-parallel, shape {self.shape}, granule {self.granule}): "
@@ -314,18 +314,21 @@ class ShardedLayout:
             raise KeyError(f"parameter {name!r} is not in this layout") from None
 
 
-def param_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], head_dim: int | None = None) -> list[ParamSpec]:
-    """ParamSpecs for HF-named parameters; q/k/v get granule head_dim so TP splits whole heads.
+def param_specs(named_shapes: Iterable[tuple[str, tuple[int, ...]]], head_dim: int | None = None, *,
+                plan: ParallelPlan | None = None) -> list[ParamSpec]:
+    """ParamSpecs for named parameters, their roles and units from the family's `plan` (default: the dense Llama
+    family's; a name it does not cover is a ValueError); the parameters it cuts on whole heads get granule
+    head_dim so TP splits whole heads.
 
     Order: units as they first appear; inside a unit the matrices keep their order and come first,
     then the 1-D parameters (biases, norms). So a layer's q/k/v weights, its gate/up weights and its
     q/k/v biases each lie back to back, in the flat buffer and in every TP slice of the generation
     buffer, and the rollout runs one GEMM for q, k and v and one for gate and up (`fused.stacked_rows`)."""
+    plan = plan or _dense_plan()
     specs, first_seen = [], {}
     for name, shape in named_shapes:
-        role = tp_role(name)
-        granule = head_dim if (head_dim and re.search(r"\.(q_proj|k_proj|v_proj)\.", name)) else 1
-        spec = ParamSpec(name, tuple(shape), role, unit_of(name), granule)
+        role, unit, per_head = plan.resolve(name)
+        spec = ParamSpec(name, tuple(shape), role, unit, head_dim if (head_dim and per_head) else 1)
         first_seen.setdefault(spec.unit, len(first_seen))
         specs.append(spec)
     return sorted(specs, key=lambda s: (first_seen[s.unit], len(s.shape) < 2))

@@ -24,10 +24,15 @@ import torch
 import torch.distributed as dist
 
 from hybridengine import checks
+from hybridengine.model.family import family_of
 from hybridengine.model.loading import check_hf_tensor, check_tied_head
 from hybridengine.sharding.switch import ShardedBuffer
 
-TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+def tied_names(model_type: str) -> tuple[str, str]:
+    """(LM head, embedding) parameter names of the model family: with tied embeddings the head is the embedding."""
+    family = family_of(model_type)
+    return family.lm_head_name, family.embed_name
 
 
 def unit_tensors(sharded: ShardedBuffer, u: int, names: list[str], *, device: torch.device | str | None = None,
@@ -84,12 +89,13 @@ def check_weights(weights, layout, *, tied: bool, model_type: str, dtype: torch.
             raise ValueError(f"{op}: tensor {name!r} is on the meta device (it has no values)")
         _check_finite(op, name, tensor, dtype)
         given[name] = tensor
-    if tied and TIED_HEAD in given:
-        head = given.pop(TIED_HEAD)
-        if EMBED in given:
-            check_tied_head(head, given[EMBED].to(dtype), where)
+    tied_head, embed = tied_names(model_type)
+    if tied and tied_head in given:
+        head = given.pop(tied_head)
+        if embed in given:
+            check_tied_head(head, given[embed].to(dtype), where)
         else:
-            given[EMBED] = head  # the tied head is the embedding (as in transformers)
+            given[embed] = head  # the tied head is the embedding (as in transformers)
     return [(s.name, given[s.name]) for s in layout.specs if s.name in given]
 
 

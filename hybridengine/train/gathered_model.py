@@ -20,6 +20,7 @@ from torch.func import functional_call
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM, rope_cos_sin
+from hybridengine.model.family import family_of, layer_prefix
 from hybridengine.ops.rms_norm import rms_norm_train
 from hybridengine.sharding.switch import ShardedBuffer
 from hybridengine.train.batch import PPOBatch
@@ -40,13 +41,13 @@ class GatheredModel:
         self.inv_freq = config.rope.inv_freq(config.head_dim).to(self.device)
         self.units = {u.name: i for i, u in enumerate(self.layout.units)}
         self.tied = config.tie_word_embeddings and not config.value_head
-        self.head_name = ("score.weight" if config.value_head else "model.embed_tokens.weight" if self.tied
-                          else "lm_head.weight")
+        self.family = family_of(config.model_type)  # the parameters' names: the embedding, final norm, head
+        self.head_name = self.family.head_name(tied=self.tied, value_head=config.value_head)
 
     def layer_params(self, i: int, natural: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
         """Layer i's parameters by their names inside the layer: views of `natural` (leaves with grad)."""
         unit = self.layout.units[self.units[f"layers.{i}"]]
-        prefix = f"model.layers.{i}."
+        prefix = layer_prefix(i)
         params = {}
         for s in unit.params:
             p = self.layout.natural_view(natural, s.name)
@@ -89,7 +90,7 @@ class GatheredModel:
         """Embedding and every layer without autograd; returns (final residual stream, layer inputs)."""
         embed_u = self.units["embed"]
         natural = self.sharded.gather_unit(embed_u)
-        x = F.embedding(ids, self.layout.natural_view(natural, "model.embed_tokens.weight"))
+        x = F.embedding(ids, self.layout.natural_view(natural, self.family.embed_name))
         inputs = []
         for i in range(self.config.num_hidden_layers):
             u = self.units[f"layers.{i}"]
@@ -106,16 +107,14 @@ class GatheredModel:
         forward (`ReleasedParams`). Returns (final residual stream, [(input, output, slots)] per layer)."""
         embed_u = self.units["embed"]
         with torch.no_grad():
-            x = F.embedding(ids, self.layout.natural_view(self.sharded.gather_unit(embed_u),
-                                                          "model.embed_tokens.weight"))
+            x = F.embedding(ids, self.layout.natural_view(self.sharded.gather_unit(embed_u), self.family.embed_name))
         graphs = []
         for i in range(self.config.num_hidden_layers):
             u = self.units[f"layers.{i}"]
             self.sharded.prefetch_unit(u + 1)
             natural = self.sharded.gather_unit(u)
             xi = x.detach().requires_grad_(True)
-            slots = ReleasedParams(self.layer_params(i, natural, grad=True), natural, self.layout,
-                                    f"model.layers.{i}.")
+            slots = ReleasedParams(self.layer_params(i, natural, grad=True), natural, self.layout, layer_prefix(i))
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(slots.pack, slots.unpack):
                 out = functional_call(self.skeleton.model.layers[i], slots.params, (xi, cos, sin, attn, i))
             slots.release()
@@ -126,7 +125,7 @@ class GatheredModel:
     def head_weights(self):
         """(the final norm's weight, the head's: the LM head, the tied embedding or the value head), gathered."""
         natural = self.sharded.gather_unit(self.units["head"])
-        norm_w = self.layout.natural_view(natural, "model.norm.weight")
+        norm_w = self.layout.natural_view(natural, self.family.norm_name)
         if self.tied:
             head_w = self.layout.natural_view(self.sharded.gather_unit(self.units["embed"]), self.head_name)
         else:

@@ -45,10 +45,16 @@ class PackedAttention:
         """Exact mode (EngineConfig.exact_logprobs): `linear_exact` projections and `exact_attention` also on CPU."""
         self.scale = scale
         """The softmax scale (the rollout's: head_dim ** -0.5); None: 1/sqrt(head_dim)."""
+        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """MoE layers' (router logits [N, E], chosen experts [N, k]) by layer, from the last forward of each
+        (the trainer's load-balancing loss)."""
 
     @property
     def kernels(self) -> Kernels:
         return Kernels.TRAIN if self.fused else Kernels.TORCH
+
+    def record_routing(self, layer: int, router_logits: torch.Tensor, experts: torch.Tensor) -> None:
+        self.routing[layer] = (router_logits, experts)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None) -> torch.Tensor:

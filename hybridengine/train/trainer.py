@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from hybridengine import checks
 from hybridengine.model.config import ModelConfig
+from hybridengine.model.family import layer_prefix
 from hybridengine.ops.masked_logprobs import masked_logprobs
 from hybridengine.ops.ppo_loss import ppo_loss
 from hybridengine.ops.token_logprobs import token_logprobs
@@ -41,6 +42,7 @@ from hybridengine.train.gathered_model import GatheredModel
 from hybridengine.train.gradients import GradShards, add_embedding_grad_
 from hybridengine.train.losses import LossFields, LossFnError
 from hybridengine.train.optimizer import FlatAdamW, mask_ranges
+from hybridengine.train.router_loss import LoadBalance
 from hybridengine.train.packed_attention import PackedAttention, _varlen_api  # noqa: F401 - hybridengine_bench.prefill_attention imports it from here
 
 # the batch and configs are re-exported here
@@ -489,10 +491,15 @@ class Trainer:
                 x_last, inputs = model.forward_layers(ids, cos, sin, attn, keep_inputs=True)
         else:
             x_last, graphs = model.forward_layers_with_graphs(ids, cos, sin, attn)
+        # MoE: the load-balancing loss of this micro-batch (its value now, each layer's gradient in that layer's
+        # backward); an empty micro-batch (a dummy sequence) adds none.
+        coef = self.config.router_aux_loss_coef
+        balance = LoadBalance(attn.routing, self.config.num_experts) if coef and attn.routing and rows else None
         # Head: recompute with autograd from the final residual stream.
         head_u, embed_u = model.units["head"], model.units["embed"]
         natural_head = self.sharded.gather_unit(head_u)
-        norm_w = self.layout.natural_view(natural_head, "model.norm.weight").detach().requires_grad_(True)
+        norm_name, embed_name = model.family.norm_name, model.family.embed_name
+        norm_w = self.layout.natural_view(natural_head, norm_name).detach().requires_grad_(True)
         head_src = self.sharded.gather_unit(embed_u) if model.tied else natural_head
         head_w = self.layout.natural_view(head_src, model.head_name).detach().requires_grad_(True)
         x = x_last.detach().requires_grad_(True)
@@ -502,7 +509,7 @@ class Trainer:
         # The head's gradients are reduced after the layers' backward, not now: now every layer's
         # activations are alive, and the reduce's fp32 unit buffers (2 x V x H x 4 bytes with the
         # shard: 3.3 GB for 7B) would stack on them; held, the bf16 gradient costs V x H x 2.
-        head_grads = {"model.norm.weight": norm_w.grad}
+        head_grads = {norm_name: norm_w.grad}
         tied_head_grad = head_w.grad if model.tied else None  # goes out with the embedding's rows
         if not model.tied:
             head_grads[model.head_name] = head_w.grad
@@ -523,23 +530,31 @@ class Trainer:
                 slots.attach(natural)
                 params = slots.params
                 graphs[i] = None
-            out.backward(grad_x)
+            if balance is not None and i in attn.routing:
+                aux = balance.layer_term(attn.routing[i][0]) * (coef * weight)
+                torch.autograd.backward([out, aux], [grad_x, None])
+            else:
+                out.backward(grad_x)
             grad_x = xi.grad
-            prefix = f"model.layers.{i}."
+            prefix = layer_prefix(i)
             self._reduce(u, {prefix + k: p.grad for k, p in params.items()})
         self._reduce(head_u, head_grads)
         del head_grads
         # Embedding: the input gradient rows summed per token id, straight into the unit's natural fp32
         # gradient (tied: on top of the LM head's share, one reduce-scatter for both).
         natural = self._grad_shards.natural(embed_u)
-        embed_grad = self.layout.natural_view(natural, "model.embed_tokens.weight")
+        embed_grad = self.layout.natural_view(natural, embed_name)
         if tied_head_grad is not None:
             embed_grad.copy_(tied_head_grad)
             del tied_head_grad
         add_embedding_grad_(embed_grad, *id_index, grad_x)
         self._reduce(embed_u, natural=natural)
         self._grad_shards.finish()
-        return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+        stats = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+        if balance is not None:  # the loss transformers reports: the head's loss + coef * aux
+            stats["loss"] += coef * balance.value
+            stats["aux_loss"] = balance.value
+        return stats
 
     @torch.no_grad()
     def values(self, batch: PPOBatch, *, micro_batch_tokens: int = 16384, checked: bool = False) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""The mixture-of-experts feed-forward (Qwen2-MoE / Qwen3-MoE): a top-k softmax router over stacked experts,
+with an optional shared expert.
+
+Parameter names are transformers' (5.x in-memory names): `mlp.gate.weight` [E, H] (the router),
+`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I] (the stacked experts),
+`mlp.shared_expert.{gate,up,down}_proj.weight` and `mlp.shared_expert_gate.weight` [1, H].
+
+Routing, as transformers: router logits in the model dtype, softmax in fp32, top-k of the probabilities,
+renormalised when `norm_topk_prob`, rounded to the model dtype. The experts run as the grouped SwiGLU
+MLP of `ops.grouped_gemm` (tokens sorted by expert, one GEMM per expert). The flat-token forwards tell the
+attention backend each layer's router logits and choices (`FlatAttention.record_routing`): training adds the
+load-balancing loss from them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridengine.model.config import ModelConfig
+from hybridengine.model.decoder import MLP, FlatAttention, _FlatOps, _linear, project
+from hybridengine.ops.grouped_gemm import grouped_mlp_ref
+from hybridengine.ops.silu_mul import silu_mul
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked weights (declared on the meta device, rebound to buffer views)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, device="meta"))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, device="meta"))
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routed experts (+ the shared expert when the config has one)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.num_experts, self.top_k, self.norm_topk_prob = c.num_experts, c.num_experts_per_tok, c.norm_topk_prob
+        self.gate = _linear(c.hidden_size, c.num_experts, False)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        if c.shared_expert_intermediate_size:
+            self.shared_expert = MLP(c, intermediate_size=c.shared_expert_intermediate_size)
+            self.shared_expert_gate = _linear(c.hidden_size, 1, False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def route(self, x: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (router logits [N, E], routing weights [N, k], both in x's dtype; experts int64 [N, k])."""
+        logits = project(self.gate, x, exact)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), experts
+
+    def _moe(self, x: torch.Tensor, exact: bool, silu_mul=None, attn: FlatAttention | None = None,
+             layer_idx: int = 0) -> torch.Tensor:
+        logits, weights, experts = self.route(x, exact)
+        if attn is not None:
+            attn.record_routing(layer_idx, logits, experts)
+        act = None if silu_mul is None else (lambda g, u: silu_mul(g.contiguous(), u.contiguous()))
+        out = grouped_mlp_ref(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act)
+        if self.shared_expert is not None:
+            shared = self.shared_expert.forward(x) if silu_mul is None else self._shared_flat(x, silu_mul, exact)
+            out = out + torch.sigmoid(project(self.shared_expert_gate, x, exact)) * shared
+        return out
+
+    def _shared_flat(self, x, silu_mul, exact):
+        s = self.shared_expert
+        return project(s.down_proj, silu_mul(project(s.gate_proj, x, exact), project(s.up_proj, x, exact)), exact,
+                       True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense [B, T, H] (the HF-compatible forward)."""
+        return self._moe(x.reshape(-1, x.shape[-1]), False).view(x.shape)
+
+    def forward_flat(self, h: torch.Tensor, ops: _FlatOps, exact: bool, attn: FlatAttention,
+                     layer_idx: int) -> torch.Tensor:
+        """Flat tokens h [N, H] (normed), with the SiLU * up of `attn.kernels`; records the routing in `attn`."""
+        return self._moe(h, exact, ops.silu_mul, attn, layer_idx)
+
+    def forward_rollout(self, h: torch.Tensor, exact: bool, attn: FlatAttention, layer_idx: int) -> torch.Tensor:
+        """`Kernels.ROLLOUT`: the same computation (SiLU * up in torch; the experts' kernels come with the
+        grouped GEMM); records the routing in `attn`."""
+        return self._moe(h, exact, silu_mul, attn, layer_idx)
