@@ -122,7 +122,7 @@ setup-verl:
 
 test-verl: setup-verl
 	$(VERL_VENV)/bin/pip list --format=freeze | grep -i -E '^(torch|transformers|verl|ray|tensordict)=='
-	$(VERL_VENV)/bin/python -m pytest -q $(VERL_TESTS) $(PYTEST_ARGS)
+	HE_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q $(VERL_TESTS) $(PYTEST_ARGS)
 
 lock-verl:
 	rm -rf $(LOCK_VENV)-verl

@@ -9,14 +9,14 @@ actor.strategy=hybridengine, rollout.name=hybridengine, one HybridEngine per wor
 
 Each run starts Ray and verl's workers (about 30 s on 2 cores) before its steps (about 2.5 s each).
 Skipped when verl is not importable (the verl extra: make setup-verl); CI's verl job installs it
-(CI=true makes a missing verl an error).
+(`make test-verl` sets HE_REQUIRE_VERL=1, which makes a missing verl an error).
 """
 
 import os
 
 import pytest
 
-if not os.environ.get("CI"):
+if not os.environ.get("HE_REQUIRE_VERL"):
     pytest.importorskip("verl", reason="verl is not importable (the verl extra: make setup-verl)")
 
 from hybridengine.examples import verl_grpo  # noqa: E402

@@ -4,7 +4,7 @@ sampling dicts mapped onto the engine, the switch at resume/release, and the ser
 The rollout runs here in-process on a tiny random engine offered to `shared` as the training engine
 offers it; the server is driven with stand-in worker handles. verl's own trainer loop over Ray is
 tests/test_verl_loop.py. Skipped when verl is not importable (the verl extra: make setup-verl);
-CI's verl job installs it (CI=true makes a missing verl an error).
+CI's verl job installs it (`make test-verl` sets HE_REQUIRE_VERL=1, which makes a missing verl an error).
 """
 
 import asyncio
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-if not os.environ.get("CI"):
+if not os.environ.get("HE_REQUIRE_VERL"):
     pytest.importorskip("verl", reason="verl is not importable (the verl extra: make setup-verl)")
 
 import hybridengine as he  # noqa: E402
