@@ -248,7 +248,8 @@ class HybridEngine:
                 raise ValueError(f"load_weights: strict must be a bool, got {strict!r}")
             writes[:] = hf_weights.check_weights(
                 weights, self.sharded.layout, tied=self.role == "actor" and self.model_config.tie_word_embeddings,
-                model_type=self.model_config.model_type, dtype=self.config.dtype, strict=strict)
+                model_type=self.model_config.model_type, dtype=self.config.dtype, strict=strict,
+                config=self.model_config)
 
         with self._guard.phase("load_weights", check) as phase:
             phase.consistent(hf_weights.check_same_writes, writes, self.group)

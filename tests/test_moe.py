@@ -252,3 +252,61 @@ def test_olmoe_config_translation_and_what_it_refuses():
                            qk_norm_full_width=True)
     with pytest.raises(ValueError, match=r"tp_size=2: q/k norms over the whole projection"):
         local_config(dense, 2)
+
+
+# -- checkpoint names: per-expert tensors in and out ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [qwen3_moe, qwen2_moe, olmoe])
+def test_per_expert_names_round_trip_through_load_weights_export_hf_and_state_dict(make, tmp_path):
+    """load_weights takes save_pretrained's per-expert tensors; export_hf writes those names again, which
+    transformers loads to the same logits; state_dict's stacked names load into transformers too."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    engine = he.HybridEngine(make(), he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=32,
+                                                     max_num_seqs=2))
+    other = make()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_(0.0, 0.15, generator=g)
+    other.save_pretrained(tmp_path / "src")
+    tensors = load_file(tmp_path / "src" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.4.up_proj.weight" in tensors
+    written = engine.load_weights(tensors)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in written and "model.layers.0.mlp.experts.down_proj" in written
+    engine.export_hf(tmp_path / "out")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(exported) == set(tensors)  # the names save_pretrained writes
+    assert all(torch.equal(exported[name], tensors[name]) for name in tensors)
+    ids = torch.randint(0, SHAPES["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(8))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    back.set_experts_implementation("eager")
+    fresh = make()
+    fresh.load_state_dict(dict(engine.state_dict()))
+    with torch.no_grad():
+        expected = other(ids).logits
+        assert torch.equal(back(ids).logits, expected)
+        assert torch.equal(fresh(ids).logits, expected)
+
+
+def test_load_weights_refuses_incomplete_or_doubled_expert_pieces():
+    hf = qwen3_moe()
+    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=32,
+                                                 max_num_seqs=2))
+    prefix = "model.layers.1.mlp.experts"
+    piece = torch.zeros(SHAPES["moe_intermediate_size"], SHAPES["hidden_size"])
+    with pytest.raises(ValueError, match=rf"load_weights: the per-expert tensors of '{prefix}.gate_up_proj' cover "
+                                         r"384 of its 3840 elements; a stacked parameter is written whole"):
+        engine.load_weights({f"{prefix}.0.gate_proj.weight": piece})
+    with pytest.raises(ValueError, match=rf"load_weights: tensor '{prefix}.gate_up_proj' is given whole and in "
+                                         "per-expert pieces"):
+        engine.load_weights({f"{prefix}.0.gate_proj.weight": piece,
+                             f"{prefix}.gate_up_proj": torch.zeros(5, 24, SHAPES["hidden_size"])})
+    with pytest.raises(ValueError, match=rf"load_weights: tensor '{prefix}.0.gate_proj.weight' appears twice"):
+        engine.load_weights([(f"{prefix}.0.gate_proj.weight", piece), (f"{prefix}.0.gate_proj.weight", piece)])
+    with pytest.raises(ValueError, match=rf"tensor '{prefix}.0.down_proj.weight' in the weights given to load_weights "
+                                         r"has shape \(12, 32\), expected \(32, 12\)"):
+        engine.load_weights({f"{prefix}.0.down_proj.weight": piece})
+    assert engine.load_weights({"model.layers.9.mlp.experts.0.up_proj.weight": piece}, strict=False) == []

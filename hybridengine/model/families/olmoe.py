@@ -12,7 +12,7 @@ is the config's `intermediate_size`.
 from __future__ import annotations
 
 from hybridengine.model.families.dense import MLP_ROLES, decoder_plan
-from hybridengine.model.families.qwen_moe import MOE_ROLES, expert_piece, moe_mlp
+from hybridengine.model.families.qwen_moe import MOE_ROLES, expert_piece, expert_split, moe_mlp
 from hybridengine.model.family import ModelFamily, register_family
 
 
@@ -31,4 +31,4 @@ def _olmoe(hf_config) -> dict:
 OLMOE_PLAN = decoder_plan("olmoe", {**MLP_ROLES, **MOE_ROLES})
 
 OLMOE = register_family(ModelFamily(model_type="olmoe", plan=OLMOE_PLAN, build_mlp=moe_mlp, config_from_hf=_olmoe,
-                                    hf_piece=expert_piece))
+                                    hf_piece=expert_piece, hf_split=expert_split))
