@@ -137,6 +137,29 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(make, dtype, kernels):
     assert_bitwise(seqs, trainer_logprobs(engine, seqs, micro_batch_tokens=20))
 
 
+def test_first_ppo_step_on_rollout_logprobs_has_ratio_one():
+    """Qwen2-MoE with the load-balancing loss: the step's forward (with autograd through the exact experts)
+    computes the rollout's bits (ratio 1, KL 0), and the step trains the routed experts."""
+    engine = moe_engine(qwen2_moe, torch.float32)
+    seqs = completions(generate(engine, prompts(VOCAB, [4, 7]), sampled(n=2)))
+    ids, mask, old = [], [], []
+    for p, c, lp in seqs:
+        ids.append(torch.tensor(p + c))
+        m = torch.zeros(len(p) + len(c) - 1)
+        m[len(p) - 1:] = 1
+        o = torch.zeros_like(m)
+        o[len(p) - 1:] = torch.tensor(lp)
+        mask.append(m)
+        old.append(o)
+    adv = [m * (1.0 if i % 2 else -1.0) for i, m in enumerate(mask)]
+    name = "model.layers.0.mlp.experts.down_proj"
+    before = dict(engine.state_dict())[name].clone()
+    stats = engine.ppo_step(he.PPOBatch(input_ids=ids, response_mask=mask, old_logprobs=old, advantages=adv),
+                            he.PPOConfig(lr=1e-3, temperature=0.8, micro_batch_tokens=16))
+    assert stats["ppo_kl"] == 0.0 and stats["pg_clipfrac"] == 0.0 and stats["aux_loss"] > 0
+    assert not torch.equal(dict(engine.state_dict())[name], before)
+
+
 def test_router_logits_and_choices_equal_the_trainers_bitwise(monkeypatch):
     """One request (prefill of the prompt, then one decode row per step): each layer's router logits, routing
     weights and experts per position, against the trainer's forward over prompt + completion."""
