@@ -134,6 +134,11 @@ class EngineConfig:
     tree at tg = 2), and the LM head's log-probs are one row-wise reduction shared by the sampler and the
     trainer (`ops.ppo_loss.chosen_logprobs`). Greedy generation is then batch-invariant. Needs
     fused_training on CUDA (the rollout's elementwise kernels) and tp_generation <= 2."""
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: every finished sample's `CompletionOutput.routed_experts` holds the experts
+    each MoE layer chose for each token the rollout ran (the routing-replay record; rollout/routing.py). Under
+    exact_logprobs they are the trainer's choices for the same tokens, bit for bit. Costs one int16 table of
+    top-k ids per layer beside the KV cache, and one read per finished sample."""
     offload: str = "none"
     """Where AdamW's state (fp32 moments, fp32 masters or the split masters' low halves: 10-12 bytes a
     parameter of the local shard) lives (`hybridengine.train.offload`). 'none': on the device. 'rollout':
@@ -180,7 +185,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("EngineConfig.max_num_seqs and max_num_batched_tokens must be >= 1")
-        for name in ("cuda_graphs", "enable_prefix_caching", "keep_grads", "exact_logprobs"):
+        for name in ("cuda_graphs", "enable_prefix_caching", "keep_grads", "exact_logprobs",
+                     "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {checks.describe(getattr(self, name))}")
         if self.exact_logprobs and self.tp_generation > 2:

@@ -83,6 +83,9 @@ class HybridEngine:
         self._guard = PhaseGuard(self.group, config.collective_timeout_s)
         self.model = self._build(source)
         self.model.eval()
+        if config.return_routed_experts and not self.model.config.num_experts:
+            raise ValueError(f"EngineConfig.return_routed_experts=True needs a mixture-of-experts model, got "
+                             f"model_type {self.model.config.model_type!r} with num_experts=0")
         # Its RNG keys the fused sampler's unseeded rows.
         self._sampler = Sampler(config.seed, self.model.vocab_shard, exact=config.exact_logprobs)
         self._runner: ModelRunner | None = None
@@ -245,7 +248,8 @@ class HybridEngine:
                 raise ValueError(f"load_weights: strict must be a bool, got {strict!r}")
             writes[:] = hf_weights.check_weights(
                 weights, self.sharded.layout, tied=self.role == "actor" and self.model_config.tie_word_embeddings,
-                model_type=self.model_config.model_type, dtype=self.config.dtype, strict=strict)
+                model_type=self.model_config.model_type, dtype=self.config.dtype, strict=strict,
+                config=self.model_config)
 
         with self._guard.phase("load_weights", check) as phase:
             phase.consistent(hf_weights.check_same_writes, writes, self.group)
@@ -432,7 +436,8 @@ class HybridEngine:
                                            max_model_len=self.config.max_model_len,
                                            use_cuda_graphs=self.config.cuda_graphs,
                                            lazy_cuda_graphs=self.config.tuning.lazy_cuda_graphs,
-                                           exact=self.config.exact_logprobs)
+                                           exact=self.config.exact_logprobs,
+                                           routed_experts=self.config.return_routed_experts)
                 self.stats.update(kv_cache_GiB=kv.capacity_bytes() / 2**30, kv_blocks=kv.capacity,
                                   kv_blocks_at_entry=kv.num_blocks,
                                   cuda_graph_capture_s=self._runner.graph_capture_s,

@@ -1,4 +1,4 @@
-"""Mixture-of-experts (Qwen3-MoE, Qwen2-MoE with a shared expert) on the model-family seam: the grouped-GEMM
+"""Mixture-of-experts (Qwen3-MoE, Qwen2-MoE with a shared expert, OLMoE) on the model-family seam: the grouped-GEMM
 reference, loading from transformers checkpoints, parity with transformers in fp32 (logits, greedy tokens,
 gradients with the load-balancing loss), training and rollout on the shared buffer.
 
@@ -9,7 +9,8 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 import hybridengine as he
 from hybridengine.ops.grouped_gemm import grouped_gemm_ref, grouped_mlp_ref, route_tokens
@@ -37,6 +38,21 @@ def qwen2_moe():
     config = Qwen2MoeConfig(**SHAPES, shared_expert_intermediate_size=20, mlp_only_layers=[1],
                             output_router_logits=True, router_aux_loss_coef=0.05)
     hf = Qwen2MoeForCausalLM(config).eval()
+    hf.set_experts_implementation("eager")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    return hf
+
+
+def olmoe(**overrides):
+    """OLMoE: q/k norms over the whole projection, top-k weights not renormalised, experts of intermediate_size."""
+    torch.manual_seed(2)
+    shapes = {k: v for k, v in SHAPES.items() if k != "moe_intermediate_size"}
+    config = OlmoeConfig(**{**shapes, "intermediate_size": SHAPES["moe_intermediate_size"],
+                            "output_router_logits": True, "router_aux_loss_coef": 0.05, "pad_token_id": None,
+                            "eos_token_id": None, **overrides})
+    hf = OlmoeForCausalLM(config).eval()
     hf.set_experts_implementation("eager")
     with torch.no_grad():
         for p in hf.parameters():
@@ -85,7 +101,7 @@ def test_grouped_mlp_matches_the_per_token_loop(tokens, num_experts, top_k):
 # -- loading and parity --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [qwen3_moe, qwen2_moe])
+@pytest.mark.parametrize("make", [qwen3_moe, qwen2_moe, olmoe])
 def test_logits_match_transformers_from_model_and_checkpoint(make, tmp_path):
     hf = make()
     hf64 = copy.deepcopy(hf).double()
@@ -159,7 +175,7 @@ def _nll(logp, entropy, fields):
     return -(logp * fields["mask"]).sum() / fields["mask"].sum()
 
 
-@pytest.mark.parametrize("make", [qwen3_moe, qwen2_moe])
+@pytest.mark.parametrize("make", [qwen3_moe, qwen2_moe, olmoe])
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_gradients_match_transformers_with_the_load_balancing_loss(make, checkpointing):
     hf = make()
@@ -208,8 +224,9 @@ def test_training_on_the_shared_buffer_lowers_the_loss_and_generation_sees_it():
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
 
 
-def test_greedy_rollout_matches_transformers():
-    hf = qwen2_moe()
+@pytest.mark.parametrize("make", [qwen2_moe, olmoe])
+def test_greedy_rollout_matches_transformers(make):
+    hf = make()
     engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=32,
                                                  max_num_seqs=4))
     prompts = [[3, 9, 14, 2], [7, 1, 40, 33, 5, 8], [61]]
@@ -218,3 +235,78 @@ def test_greedy_rollout_matches_transformers():
     for prompt, out in zip(prompts, outs):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=7, do_sample=False, min_new_tokens=7)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_olmoe_config_translation_and_what_it_refuses():
+    config = he.ModelConfig.from_hf(olmoe().config)
+    assert (config.qk_norm, config.qk_norm_full_width, config.norm_topk_prob) == (True, True, False)
+    assert config.moe_intermediate_size == SHAPES["moe_intermediate_size"] and config.router_aux_loss_coef == 0.05
+    with pytest.raises(ValueError, match=r"olmoe: clip_qkv=8.0 is not supported"):
+        he.ModelConfig.from_hf(OlmoeConfig(**{**SHAPES, "clip_qkv": 8.0}))
+    with pytest.raises(ValueError, match="qk_norm_full_width=True needs qk_norm=True"):
+        he.ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=4, qk_norm_full_width=True)
+    from hybridengine.model.tensor_parallel import local_config
+    dense = he.ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=4, qk_norm=True,
+                           qk_norm_full_width=True)
+    with pytest.raises(ValueError, match=r"tp_size=2: q/k norms over the whole projection"):
+        local_config(dense, 2)
+
+
+# -- checkpoint names: per-expert tensors in and out ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [qwen3_moe, qwen2_moe, olmoe])
+def test_per_expert_names_round_trip_through_load_weights_export_hf_and_state_dict(make, tmp_path):
+    """load_weights takes save_pretrained's per-expert tensors; export_hf writes those names again, which
+    transformers loads to the same logits; state_dict's stacked names load into transformers too."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    engine = he.HybridEngine(make(), he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=32,
+                                                     max_num_seqs=2))
+    other = make()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_(0.0, 0.15, generator=g)
+    other.save_pretrained(tmp_path / "src")
+    tensors = load_file(tmp_path / "src" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.4.up_proj.weight" in tensors
+    written = engine.load_weights(tensors)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in written and "model.layers.0.mlp.experts.down_proj" in written
+    engine.export_hf(tmp_path / "out")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(exported) == set(tensors)  # the names save_pretrained writes
+    assert all(torch.equal(exported[name], tensors[name]) for name in tensors)
+    ids = torch.randint(0, SHAPES["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(8))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    back.set_experts_implementation("eager")
+    fresh = make()
+    fresh.load_state_dict(dict(engine.state_dict()))
+    with torch.no_grad():
+        expected = other(ids).logits
+        assert torch.equal(back(ids).logits, expected)
+        assert torch.equal(fresh(ids).logits, expected)
+
+
+def test_load_weights_refuses_incomplete_or_doubled_expert_pieces():
+    hf = qwen3_moe()
+    engine = he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", max_model_len=32,
+                                                 max_num_seqs=2))
+    prefix = "model.layers.1.mlp.experts"
+    piece = torch.zeros(SHAPES["moe_intermediate_size"], SHAPES["hidden_size"])
+    with pytest.raises(ValueError, match=rf"load_weights: the per-expert tensors of '{prefix}.gate_up_proj' cover "
+                                         r"384 of its 3840 elements; a stacked parameter is written whole"):
+        engine.load_weights({f"{prefix}.0.gate_proj.weight": piece})
+    with pytest.raises(ValueError, match=rf"load_weights: tensor '{prefix}.gate_up_proj' is given whole and in "
+                                         "per-expert pieces"):
+        engine.load_weights({f"{prefix}.0.gate_proj.weight": piece,
+                             f"{prefix}.gate_up_proj": torch.zeros(5, 24, SHAPES["hidden_size"])})
+    with pytest.raises(ValueError, match=rf"load_weights: tensor '{prefix}.0.gate_proj.weight' appears twice"):
+        engine.load_weights([(f"{prefix}.0.gate_proj.weight", piece), (f"{prefix}.0.gate_proj.weight", piece)])
+    with pytest.raises(ValueError, match=rf"tensor '{prefix}.0.down_proj.weight' in the weights given to load_weights "
+                                         r"has shape \(12, 32\), expected \(32, 12\)"):
+        engine.load_weights({f"{prefix}.0.down_proj.weight": piece})
+    assert engine.load_weights({"model.layers.9.mlp.experts.0.up_proj.weight": piece}, strict=False) == []

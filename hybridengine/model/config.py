@@ -83,7 +83,9 @@ class ModelConfig:
     mlp_bias: bool = False
     """gate/up/down projections have biases (Llama mlp_bias)."""
     qk_norm: bool = False
-    """Per-head RMSNorm of q and k before rope (Qwen3)."""
+    """RMSNorm of q and k before rope: per head (Qwen3), or over the whole projection with qk_norm_full_width."""
+    qk_norm_full_width: bool = False
+    """The q/k norms are over all heads of the projection (weights [heads * head_dim]: OLMoE), not per head."""
     sliding_window: int | None = None
     """Window of the sliding-window layers: query i sees keys j with i - window < j <= i."""
     layer_types: tuple[str, ...] = ()
@@ -137,6 +139,8 @@ class ModelConfig:
                              f"entries from {LAYER_TYPES}, got {self.layer_types}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig: layer_types has sliding_attention layers but sliding_window is None")
+        if self.qk_norm_full_width and not self.qk_norm:
+            raise ValueError("ModelConfig: qk_norm_full_width=True needs qk_norm=True")
         self.mlp_only_layers = tuple(self.mlp_only_layers)
         if self.num_experts < 0 or self.shared_expert_intermediate_size < 0 or self.router_aux_loss_coef < 0:
             raise ValueError(f"ModelConfig: num_experts={self.num_experts}, shared_expert_intermediate_size="

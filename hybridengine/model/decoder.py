@@ -186,11 +186,20 @@ class Attention(nn.Module):
         self.k_proj = _linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.qkv_bias)
         self.v_proj = _linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.qkv_bias)
         self.o_proj = _linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.o_bias)
+        self.qk_norm_full_width = c.qk_norm_full_width
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            full = c.qk_norm_full_width
+            self.q_norm = RMSNorm(c.num_attention_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.num_key_value_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor, norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [..., Hq, D], k [..., Hkv, D] through `norm(x, module)` (q_norm, k_norm): per head, or over all heads
+        of the projection (`qk_norm_full_width`)."""
+        if not self.qk_norm_full_width:
+            return norm(q, self.q_norm), norm(k, self.k_norm)
+        return norm(q.flatten(-2), self.q_norm).view(q.shape), norm(k.flatten(-2), self.k_norm).view(k.shape)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -198,7 +207,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._norm_qk(q, k, lambda x, norm: norm(x))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, self.sliding_window)
@@ -209,7 +218,7 @@ class Attention(nn.Module):
         """Flat tokens x [N, hidden]; cos/sin [N, D]; `attn.attend` attends (and stores K/V in a paged cache)."""
         q, k, v = self._qkv(x, attn.exact)
         if self.q_norm is not None:
-            q, k = ops.rms_norm(q, self.q_norm), ops.rms_norm(k, self.k_norm)
+            q, k = self._norm_qk(q, k, ops.rms_norm)
         q, k = ops.rope(q, k, cos, sin)
         out = attn.attend(layer_idx, q, k, v, self.sliding_window)
         return project(self.o_proj, out.reshape(x.shape[0], self.num_heads * self.head_dim), attn.exact, True)
@@ -220,8 +229,7 @@ class Attention(nn.Module):
         hybridengine.ops, RoPE inside the KV store's kernel (`attend(..., rope=(cos, sin))`)."""
         q, k, v = self._qkv_one_gemm(x, attn.exact)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q, k = self._norm_qk(q, k, lambda x, norm: rms_norm(x, norm.weight, norm.eps))
         out = attn.attend(layer_idx, q, k, v, self.sliding_window, rope=(cos, sin))
         # exact: o_proj's fp32 sum, rounded in the caller's rms_norm (the residual add)
         return project(self.o_proj, out.reshape(x.shape[0], self.num_heads * self.head_dim), attn.exact, True,

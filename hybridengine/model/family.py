@@ -96,6 +96,9 @@ class ModelFamily:
     hf_piece: Callable[[str, object], tuple[str, tuple] | None] = field(default=lambda name, config: None)
     """(transformers tensor name, ModelConfig) -> (parameter name, index into it) for a checkpoint tensor that
     fills part of a parameter (per-expert weights of a stacked parameter); None: the name is the parameter's."""
+    hf_split: Callable[[str, object], list[tuple[str, object]] | None] = field(default=lambda name, tensor: None)
+    """(parameter name, its full tensor) -> the checkpoint tensors it is saved as (per-expert weights: the
+    inverse of `hf_piece`, what transformers' save_pretrained writes); None: saved whole under its name."""
     embed_name: str = "model.embed_tokens.weight"
     norm_name: str = "model.norm.weight"
     lm_head_name: str = "lm_head.weight"

@@ -9,7 +9,11 @@ Routing, as transformers: router logits in the model dtype, softmax in fp32, top
 renormalised when `norm_topk_prob`, rounded to the model dtype. The experts run as the grouped SwiGLU
 MLP of `ops.grouped_gemm` (tokens sorted by expert, one GEMM per expert). The flat-token forwards tell the
 attention backend each layer's router logits and choices (`FlatAttention.record_routing`): training adds the
-load-balancing loss from them.
+load-balancing loss from them, the rollout reports the choices when asked (`EngineConfig.return_routed_experts`).
+
+Exact mode (`EngineConfig.exact_logprobs`) routes and combines by `ops.moe_exact`'s rule: batch-invariant
+routing (ties to the lowest expert id), `linear_exact` per expert, the k experts' outputs added in slot order
+in fp32 and rounded once, so that the rollout and the trainer compute a token's bits alike.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import MLP, FlatAttention, _FlatOps, _linear, project
 from hybridengine.ops.grouped_gemm import grouped_mlp_ref
+from hybridengine.ops.moe_exact import exact_experts, exact_routing, sigmoid_exact
 from hybridengine.ops.silu_mul import silu_mul
 
 
@@ -48,9 +53,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def route(self, x: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (router logits [N, E], routing weights [N, k], both in x's dtype; experts int64 [N, k])."""
+        """x [N, H] -> (router logits [N, E] in x's dtype, routing weights [N, k] in x's dtype (exact: fp32),
+        experts int64 [N, k]). Exact mode: `ops.moe_exact`'s rule (ties to the lowest expert id)."""
         logits = project(self.gate, x, exact)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if exact:
+            return (logits, *exact_routing(probs, self.top_k, self.norm_topk_prob))
         top, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -62,11 +70,25 @@ class SparseMoeBlock(nn.Module):
         if attn is not None:
             attn.record_routing(layer_idx, logits, experts)
         act = None if silu_mul is None else (lambda g, u: silu_mul(g.contiguous(), u.contiguous()))
+        if exact:
+            return self._moe_exact(x, experts, weights, act)
         out = grouped_mlp_ref(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act)
         if self.shared_expert is not None:
             shared = self.shared_expert.forward(x) if silu_mul is None else self._shared_flat(x, silu_mul, exact)
             out = out + torch.sigmoid(project(self.shared_expert_gate, x, exact)) * shared
         return out
+
+    def _moe_exact(self, x, experts, weights, act) -> torch.Tensor:
+        """`ops.moe_exact`'s rule: the routed experts' fp32 sum, plus sigmoid(shared gate) * the shared expert's
+        fp32 down_proj sum (its `EXACT_ROW_SPLITS` halves, as a dense MLP), rounded once to x's dtype.
+        `act(gate, up)`: the caller's SiLU * up (exact mode runs only the flat-token forwards, which give one)."""
+        out = exact_experts(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act)
+        if self.shared_expert is not None:
+            s = self.shared_expert
+            shared = project(s.down_proj, act(project(s.gate_proj, x, True), project(s.up_proj, x, True)),
+                             True, True, fp32_sum=True)
+            out = out + sigmoid_exact(project(self.shared_expert_gate, x, True)).float() * shared
+        return out.to(x.dtype)
 
     def _shared_flat(self, x, silu_mul, exact):
         s = self.shared_expert

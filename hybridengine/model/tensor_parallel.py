@@ -43,6 +43,9 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
         raise ValueError(f"tp_size={tp_size}: tensor-parallel generation of a mixture-of-experts model needs expert-"
                          "parallel generation (the layout cuts the experts across TP ranks, role 'expert'), which "
                          "the engine does not have: use tp_generation=1")
+    if tp_size > 1 and config.qk_norm_full_width:
+        raise ValueError(f"tp_size={tp_size}: q/k norms over the whole projection (qk_norm_full_width) need every "
+                         "head's sum of squares, which one rank's heads do not have: use tp_generation=1")
     if tp_size > 1 and (config.o_bias or config.mlp_bias):
         raise ValueError("tensor-parallel generation does not support o_proj/down_proj biases (they would be "
                          "added once per TP rank by the all-reduce)")

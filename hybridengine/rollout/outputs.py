@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -20,6 +22,11 @@ class CompletionOutput:
     policy_versions: list[int] = field(default_factory=list)
     """`HybridEngine.policy_version` of the weights that sampled each token (one per token): a request
     kept across a weight update (`rollout(keep_unfinished=True)`) mixes versions."""
+    routed_experts: torch.Tensor | None = None
+    """With `EngineConfig.return_routed_experts`, once the sample finished (stop or length): the experts each
+    MoE layer routed every token to that the model ran, int16 [len(prompt) + len(token_ids) - 1,
+    num_hidden_layers, num_experts_per_tok] on the host (row t: position t of prompt + completion; -1 in
+    dense layers); see rollout/routing.py. None otherwise."""
 
 
 @dataclass(slots=True)

@@ -105,8 +105,11 @@ class Request:
             first = reported.get(j, 0) if delta else 0
             if delta:
                 reported[j] = k
+            routed = None
+            if seq.routed_experts is not None and reason is not None and reason != "abort":
+                routed = seq.routed_experts = seq.routed_experts.cpu()
             outs.append(CompletionOutput(j, seq.token_ids[start + first:start + k], logprobs[first:k], reason,
-                                         self._versions(j, first, k)))
+                                         self._versions(j, first, k), routed))
         return RequestOutput(self.prompt_token_ids, outs, None if isinstance(self.key, int) else self.key,
                              self.finished)
 
@@ -122,7 +125,8 @@ class RolloutSession:
         blocks = BlockManager(runner.kv.num_blocks, config.block_size,
                               enable_prefix_caching=config.enable_prefix_caching)
         self.sched = Scheduler(blocks, max_num_seqs=config.max_num_seqs,
-                               max_num_batched_tokens=config.max_num_batched_tokens, grow=grow)
+                               max_num_batched_tokens=config.max_num_batched_tokens, grow=grow,
+                               on_finish=None if runner.routing is None else self._read_routing)
         self.requests: dict[str | int, Request] = {}
         """Live (unfinished) requests in the scheduler."""
         self.pending: dict[str, Request] = {}
@@ -146,6 +150,9 @@ class RolloutSession:
         self._keys = itertools.count()
         for req in kept:
             self._resume(req)
+
+    def _read_routing(self, seq: Sequence) -> None:
+        seq.routed_experts = self.runner.routing.read(seq)
 
     # -- requests in and out -------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from hybridengine.ops.kv_store import rope_store_kv, store_kv
 from hybridengine.ops.paged_attention import paged_decode_attention
 from hybridengine.ops.prefill_attention import prefill_attention
 from hybridengine.rollout.kv_cache import KVCache
+from hybridengine.rollout.routing import RoutingRecord
 from hybridengine.rollout.scheduler import Batch
 from hybridengine.rollout.sequence import PLACEHOLDER, Sequence
 
@@ -63,13 +64,18 @@ class AttentionMetadata:
     exact: bool = False
     """Exact mode (EngineConfig.exact_logprobs): `linear_exact` projections and the exact attention ops,
     whose per-token bits do not depend on the batch (the training forward computes the same)."""
+    routing: RoutingRecord | None = None
+    """Where the MoE layers' choices go (`EngineConfig.return_routed_experts`); None: nowhere."""
 
     @property
     def kernels(self) -> Kernels:
         return Kernels.ROLLOUT if self.fused else Kernels.TORCH
 
     def record_routing(self, layer: int, router_logits: torch.Tensor, experts: torch.Tensor) -> None:
-        """An MoE layer's routing (`FlatAttention.record_routing`): the rollout keeps none."""
+        """An MoE layer's routing (`FlatAttention.record_routing`): the chosen experts at the tokens' slots when
+        the rollout reports them (`routing`), else nothing."""
+        if self.routing is not None:
+            self.routing.write(self.slot_mapping, layer, experts)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sliding_window: int | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -169,11 +175,16 @@ class ModelRunner:
     """Runs prefill and decode steps of a CausalLM against a paged KV cache."""
 
     def __init__(self, model, kv: KVCache, *, max_num_seqs: int, max_model_len: int, use_cuda_graphs: bool,
-                 lazy_cuda_graphs: bool = False, exact: bool = False):
+                 lazy_cuda_graphs: bool = False, exact: bool = False, routed_experts: bool = False):
         self.model, self.kv = model, kv
         self.exact = exact  # EngineConfig.exact_logprobs: the batch-invariant kernels (AttentionMetadata.exact)
         self.device = kv.data.device
         self.block_size = kv.block_size
+        c = model.config
+        self.routing = RoutingRecord(num_slots=kv.capacity * kv.block_size, block_size=kv.block_size,
+                                     num_layers=c.num_hidden_layers, top_k=c.num_experts_per_tok,
+                                     num_experts=c.num_experts, device=self.device) if routed_experts else None
+        """EngineConfig.return_routed_experts: each token's routed experts, by KV slot (rollout/routing.py)."""
         self.max_blocks = math.ceil(max_model_len / self.block_size)
         self.scale = model.config.head_dim ** -0.5
         self.fused = self.device.type == "cuda"  # the layers' kernels, chosen once: Kernels.ROLLOUT on GPU
@@ -234,6 +245,8 @@ class ModelRunner:
         stream, after the host-staged inputs, so the step waits for nothing on the host.
         """
         self.kv.copy_blocks(batch.block_copies)
+        if self.routing is not None:
+            self.routing.copy_blocks(batch.block_copies)
         if batch.is_prefill:
             if prev_tokens is not None:
                 raise RuntimeError("prev_tokens is for decode steps only")
@@ -258,7 +271,7 @@ class ModelRunner:
         meta = AttentionMetadata(self.kv, True, self._tensor(slots), self.scale,
                                  cu_seqlens=self._tensor(cu, torch.int32),
                                  max_seqlen=max(s.num_tokens - s.num_cached_tokens for s in seqs),
-                                 fused=self.fused, exact=self.exact)
+                                 fused=self.fused, exact=self.exact, routing=self.routing)
         if cu_k[-1] > cu[-1]:
             meta.cu_seqlens_k = self._tensor(cu_k, torch.int32)
             meta.max_seqlen_k = max(s.num_tokens for s in seqs)
@@ -362,7 +375,8 @@ class ModelRunner:
 
     def _decode_forward(self, inp: dict[str, torch.Tensor]) -> torch.Tensor:
         meta = AttentionMetadata(self.kv, False, inp["slots"], self.scale, context_lens=inp["lens"],
-                                 block_tables=inp["tables"], fused=self.fused, exact=self.exact)
+                                 block_tables=inp["tables"], fused=self.fused, exact=self.exact,
+                                 routing=self.routing)
         return self._logits(self.model.hidden_states_paged(inp["ids"], inp["positions"], meta))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,11 @@ class Scheduler:
     """Prefill first (whole prompts, up to a token budget), else one decode step for every running sequence."""
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 grow: Callable[[], int] | None = None):
+                 grow: Callable[[], int] | None = None, on_finish: Callable[[Sequence], None] | None = None):
         self.blocks = blocks
+        self.on_finish = on_finish
+        """Called with a sequence that finishes (stop or length), before its blocks are freed (the rollout's
+        read of its routed experts)."""
         self.grow = grow
         """A cache that can grow while it runs (`KVCache.grow_to`): grow() waits for its growth and returns the
         blocks usable then, 0 once it never grows again. Called where a step would preempt, or a queue
@@ -150,6 +153,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        if self.on_finish is not None:
+            self.on_finish(seq)
         self.blocks.free(seq)
         self.running.remove(seq)
 

@@ -55,6 +55,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    routed_experts: torch.Tensor | None = None
+    """EngineConfig.return_routed_experts: the routed experts of every token the model ran, read when the
+    sequence finishes (`routing.RoutingRecord.read`; on the device until its output moves it to the host)."""
 
     @property
     def num_tokens(self) -> int:

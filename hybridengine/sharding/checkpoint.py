@@ -522,15 +522,24 @@ def full_state_dict(sharded: ShardedBuffer) -> dict[str, torch.Tensor]:
 
 def export_hf(path: str | os.PathLike, sharded: ShardedBuffer, *, hf_config: dict, dtype: torch.dtype) -> None:
     """config.json (`hf_config` with `dtype`) + model.safetensors that transformers'
-    AutoModelForCausalLM.from_pretrained loads; every rank calls it, rank 0 writes."""
+    AutoModelForCausalLM.from_pretrained loads, in the names save_pretrained writes (a stacked expert parameter
+    as its per-expert tensors: `ModelFamily.hf_split`); every rank calls it, rank 0 writes."""
     from safetensors.torch import save_file
+
+    from hybridengine.model.family import family_of
 
     state = full_state_dict(sharded)
     if sharded.rank != 0:
         return
+    split = family_of(hf_config["model_type"]).hf_split
+    tensors = {}
+    for name, tensor in state.items():
+        pieces = split(name, tensor)
+        # a clone each: safetensors refuses tensors that share storage
+        tensors.update({name: tensor} if pieces is None else {n: t.clone() for n, t in pieces})
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
     config = dict(hf_config)
     config["torch_dtype"] = config["dtype"] = dtype_name(dtype)

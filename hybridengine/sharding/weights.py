@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hybridengine import checks
 from hybridengine.model.family import family_of
-from hybridengine.model.loading import check_hf_tensor, check_tied_head
+from hybridengine.model.loading import check_hf_piece, check_hf_tensor, check_tied_head
 from hybridengine.sharding.switch import ShardedBuffer
 
 
@@ -59,14 +59,16 @@ def unit_names(layout, order: Mapping[str, int] | None = None) -> list[list[str]
 
 
 def check_weights(weights, layout, *, tied: bool, model_type: str, dtype: torch.dtype, strict: bool = True,
-                  op: str = "load_weights") -> list[tuple[str, torch.Tensor]]:
+                  op: str = "load_weights", config=None) -> list[tuple[str, torch.Tensor]]:
     """`weights` (a mapping or an iterable of (name, tensor) pairs, which this materialises) checked as a
     whole: the (parameter name, tensor) writes, in the layout's order. A ValueError names the first bad
     item: not a (str, tensor) pair, a name given twice, a name that is not a parameter (`strict`; else it
     is skipped), a shape other than the parameter's, a dtype that is not floating, a NaN or inf, or a value
     that becomes inf in `dtype` (a conversion and one host sync per tensor); for tied embeddings
     (`tied`) `lm_head.weight` writes the embedding, and must equal `model.embed_tokens.weight` in `dtype`
-    (the buffer's) when both are given."""
+    (the buffer's) when both are given. With the model's `config`, a checkpoint tensor that is part of a
+    parameter (the family's `hf_piece`: `mlp.experts.<e>.gate_proj.weight`, ...) is placed in it; a stacked
+    parameter is written whole, so its pieces must cover it (every expert's gate, up and down)."""
     if isinstance(weights, Mapping):
         weights = weights.items()
     elif isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, Iterable):
@@ -75,20 +77,44 @@ def check_weights(weights, layout, *, tied: bool, model_type: str, dtype: torch.
     shapes = {s.name: s.shape for s in layout.specs}
     where = f"the weights given to {op}"
     given: dict[str, torch.Tensor] = {}
+    hf_piece = family_of(model_type).hf_piece
+    stacked: dict[str, torch.Tensor] = {}  # parameter -> its value assembled from checkpoint pieces
+    filled: dict[str, int] = {}
+    piece_names: set[str] = set()
     for i, item in enumerate(weights):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise ValueError(f"{op}: item {i} of weights must be a (str, torch.Tensor) pair, got "
                              f"{checks.describe(item)}")
         name, tensor = item
-        if name in given:
+        if name in given or name in piece_names:
             raise ValueError(f"{op}: tensor {name!r} appears twice in weights")
+        piece = None if config is None else hf_piece(name, config)
+        if piece is not None:
+            if piece[0] not in shapes and not strict:
+                continue
+            if piece[0] in shapes and piece[0] not in stacked:
+                stacked[piece[0]] = torch.zeros(shapes[piece[0]], dtype=dtype, device=tensor.device)
+            target, view = check_hf_piece(name, tensor, where, piece, stacked, model_type)
+            _check_finite(op, name, tensor, dtype)
+            view.copy_(tensor)
+            filled[target] = filled.get(target, 0) + view.numel()
+            piece_names.add(name)
+            continue
         if check_hf_tensor(name, tensor, where, shapes, tied=tied, model_type=model_type, strict=strict) is None:
             continue
         if tensor.is_meta:
             raise ValueError(f"{op}: tensor {name!r} is on the meta device (it has no values)")
         _check_finite(op, name, tensor, dtype)
         given[name] = tensor
+    for target, value in stacked.items():
+        if target in given:
+            raise ValueError(f"{op}: tensor {target!r} is given whole and in per-expert pieces")
+        if filled[target] != value.numel():
+            raise ValueError(f"{op}: the per-expert tensors of {target!r} cover {filled[target]} of its "
+                             f"{value.numel()} elements; a stacked parameter is written whole: give every expert's "
+                             "gate, up and down weights")
+        given[target] = value
     tied_head, embed = tied_names(model_type)
     if tied and tied_head in given:
         head = given.pop(tied_head)

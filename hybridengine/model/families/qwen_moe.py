@@ -5,7 +5,8 @@ the MoE layers (a dense MLP in `mlp_only_layers`).
 Parallel plan: the stacked experts are ``expert`` (cut on whole experts: expert parallelism), the router and
 the shared expert's gate ``replicated``, the shared expert column/row like a dense MLP. Checkpoints store each
 expert's gate/up/down weights apart (`mlp.experts.<e>.gate_proj.weight`); `hf_piece` places them in the
-stacked parameters. transformers' own state_dict (5.x) has the stacked names, which load as they are.
+stacked parameters, and `hf_split` writes them so (`export_hf`). transformers' own state_dict (5.x) has the stacked
+names, which load as they are (`state_dict()` yields them).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MOE_ROLES = {
 }
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def moe_mlp(config, layer_idx: int):
@@ -47,6 +49,20 @@ def expert_piece(name: str, config) -> tuple[str, tuple] | None:
         return f"{prefix}.down_proj", (e,)
     rows = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
     return f"{prefix}.gate_up_proj", (e, rows)
+
+
+def expert_split(name: str, tensor) -> list[tuple[str, object]] | None:
+    """A stacked expert parameter -> its per-expert checkpoint tensors (views): `experts.<e>.gate_proj.weight`
+    and `up_proj.weight` (rows 0..I-1 and I..2I-1 of gate_up_proj[e]), `experts.<e>.down_proj.weight`."""
+    m = _STACKED.match(name)
+    if m is None:
+        return None
+    prefix, num_experts = m.group(1), tensor.shape[0]
+    if m.group(2) == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", tensor[e]) for e in range(num_experts)]
+    inter = tensor.shape[1] // 2
+    return [(f"{prefix}.{e}.{proj}_proj.weight", tensor[e, rows]) for e in range(num_experts)
+            for proj, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter)))]
 
 
 def _moe_fields(hf_config) -> dict:
@@ -76,6 +92,6 @@ def _qwen2_moe(hf_config) -> dict:
 MOE_PLAN = decoder_plan("qwen_moe", {**MLP_ROLES, **MOE_ROLES})
 
 QWEN3_MOE = register_family(ModelFamily(model_type="qwen3_moe", plan=MOE_PLAN, build_mlp=moe_mlp,
-                                        config_from_hf=_qwen3_moe, hf_piece=expert_piece))
+                                        config_from_hf=_qwen3_moe, hf_piece=expert_piece, hf_split=expert_split))
 QWEN2_MOE = register_family(ModelFamily(model_type="qwen2_moe", plan=MOE_PLAN, build_mlp=moe_mlp,
-                                        config_from_hf=_qwen2_moe, hf_piece=expert_piece))
+                                        config_from_hf=_qwen2_moe, hf_piece=expert_piece, hf_split=expert_split))
