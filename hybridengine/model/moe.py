@@ -19,7 +19,7 @@ from torch import nn
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import MLP, FlatAttention, _FlatOps, _linear, project
-from hybridengine.ops.grouped_gemm import grouped_mlp_ref
+from hybridengine.ops.grouped_gemm import grouped_mlp
 from hybridengine.ops.silu_mul import silu_mul
 
 
@@ -62,7 +62,7 @@ class SparseMoeBlock(nn.Module):
         if attn is not None:
             attn.record_routing(layer_idx, logits, experts)
         act = None if silu_mul is None else (lambda g, u: silu_mul(g.contiguous(), u.contiguous()))
-        out = grouped_mlp_ref(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act)
+        out = grouped_mlp(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act, exact=exact)
         if self.shared_expert is not None:
             shared = self.shared_expert.forward(x) if silu_mul is None else self._shared_flat(x, silu_mul, exact)
             out = out + torch.sigmoid(project(self.shared_expert_gate, x, exact)) * shared
