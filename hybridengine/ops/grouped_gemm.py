@@ -124,11 +124,12 @@ def grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
 
     M, K = x.shape
     E, N = weight.shape[0], weight.shape[1]
-    assert x.stride(-1) == 1 and weight.shape[2] == K and weight.dtype == x.dtype, (x.stride(), weight.shape)
+    assert weight.shape[2] == K and weight.dtype == x.dtype, (x.dtype, weight.shape)
     assert offsets.dtype == torch.int32 and offsets.shape == (E + 1,) and offsets.device == x.device
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
+    assert x.stride(-1) == 1, x.stride()
     cfg = _launch.launch_config(_config(M, E, N, x.device, x.dtype, exact), config)
     block_m, block_n, block_k = (cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     grid = (-(-M // block_m) + E, -(-N // block_n))
@@ -148,7 +149,10 @@ def grouped_gemm_dw_triton(grad: torch.Tensor, x: torch.Tensor, offsets: torch.T
 
     M, N = grad.shape
     K = x.shape[1]
-    assert grad.stride(-1) == 1 and x.stride(-1) == 1 and x.shape[0] == M and grad.dtype == x.dtype
+    assert x.shape[0] == M and grad.dtype == x.dtype, (x.shape, grad.shape, x.dtype, grad.dtype)
+    if M == 0:
+        return torch.zeros(num_experts, N, K, dtype=dtype or x.dtype, device=x.device)
+    assert grad.stride(-1) == 1 and x.stride(-1) == 1, (grad.stride(), x.stride())
     dw = torch.empty(num_experts, N, K, dtype=dtype or x.dtype, device=x.device)
     if dw.numel() == 0:
         return dw
@@ -230,6 +234,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor, group_sizes, exact: bool, out_dt
             return _GroupedGemm.apply(x, weight, offsets, exact, out_dtype)
         return grouped_gemm_triton(x, weight, offsets, exact=exact, out_dtype=out_dtype)
     sizes = group_sizes.tolist() if isinstance(group_sizes, torch.Tensor) else list(group_sizes)
+    if x.shape[0] == 0:  # no GEMM runs: an empty product that still reaches x and weight in autograd
+        return torch.nn.functional.linear(x.to(out_dtype), weight.sum(0).to(out_dtype))
     if exact:
         return _grouped_exact_torch(x, weight, sizes, out_dtype)
     return _grouped_ref(x, weight, sizes, out_dtype)
@@ -337,7 +343,7 @@ def grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
     y = _run(act.contiguous(), down, sizes, exact, acc)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    y = y[inverse].view(num_tokens, top_k, -1) * weights.to(acc).unsqueeze(-1)
+    y = y[inverse].view(num_tokens, top_k, x.shape[1]) * weights.to(acc).unsqueeze(-1)
     out = y[:, 0]
     for j in range(1, top_k):
         out = out + y[:, j]
