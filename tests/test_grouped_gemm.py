@@ -11,13 +11,15 @@ n = K + 1 roundings (Higham, recursive summation; u = 2^-23 on the GPU's 16-bit 
 truncate, else 2^-24).
 """
 
+import itertools
+
 import pytest
 import torch
 
 from hybridengine.ops import _launch
 from hybridengine.ops import grouped_gemm as GG
 from hybridengine.ops.grouped_gemm import (grouped_gemm, grouped_gemm_dw_triton, grouped_gemm_ref,
-                                           grouped_gemm_triton, grouped_mlp, grouped_mlp_ref)
+                                           grouped_gemm_triton, grouped_mlp, grouped_mlp_ref, row_tile_slots)
 
 SHAPES = [
     # group sizes, K, N: empty experts, one-row experts, experts over several 16-row tiles with a partial last
@@ -27,6 +29,7 @@ SHAPES = [
     ([1, 1, 1, 1, 1, 1], 16, 7),
     ([0, 17, 0, 16, 33], 64, 1),
     ([0, 0, 2], 5, 33),
+    ([17, 17], 24, 16),  # four tiles: the grid's bound, cdiv(34, 16) + 2 - 1, is met
 ]
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -97,6 +100,17 @@ def test_group_sizes_as_a_tensor_and_a_strided_weight(device, path):
     assert torch.equal(grouped_gemm(x, wide[..., 3:3 + k], sizes), y)
     assert torch.equal(grouped_gemm(x, w.transpose(1, 2).contiguous().transpose(1, 2), sizes), y)
     assert torch.equal(grouped_gemm(x.t().contiguous().t(), w, sizes), y)
+
+
+def test_row_tile_slots_cover_every_routing():
+    """The forward grid's axis 0 is at least the row tiles of every routing of M rows to E experts (all of them,
+    for small M and E), and no more than the worst routing needs where the bound is tight."""
+    for block_m, M, E in itertools.product((1, 2, 3, 16), range(10), range(1, 5)):
+        routings = [c for c in itertools.product(range(M + 1), repeat=E) if sum(c) == M]
+        worst = max(sum(-(-m // block_m) for m in c) for c in routings)
+        assert worst <= row_tile_slots(M, E, block_m), (block_m, M, E)
+        if block_m == 16 or M <= E:  # one row per expert, or one partial tile per expert: the bound is met
+            assert worst == row_tile_slots(M, E, block_m), (block_m, M, E)
 
 
 def test_no_rows(device, path):

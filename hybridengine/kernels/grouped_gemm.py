@@ -3,16 +3,18 @@ input gradient), and dW[e] = dY_e^T @ X_e (the weight gradient).
 
 x [M, K] holds the rows of expert 0, then of expert 1, ... ; `Offsets` (int32 [E + 1], on the device) are
 the cumulative row counts, offsets[e]..offsets[e + 1] being expert e's rows. The group sizes stay on the
-device: nothing in a launch needs them on the host, so a launch costs no sync and is the same launch for
-every routing of M rows (CUDA graphs capture it once per M).
+device: nothing in a launch needs them on the host, so a launch costs no host sync and its grid depends on
+M, N and E alone, the same launch for every routing of M rows (what a CUDA graph's replay needs).
 
 `grouped_gemm_kernel` runs a 2-D grid: axis 0 over row-tile slots, axis 1 over BLOCK_N column tiles. The
 row tiles are each expert's rows cut into BLOCK_M-row tiles, expert by expert; an expert of m rows has
-cdiv(m, BLOCK_M) of them, so there are at most cdiv(M, BLOCK_M) + E - 1 tiles whatever the routing, and
-the launch gives axis 0 cdiv(M, BLOCK_M) + E slots. A program finds its expert from `Offsets` alone
+cdiv(m, BLOCK_M) of them, so whatever the routing there are at most min(cdiv(M, BLOCK_M) + E - 1, M) tiles,
+and that is axis 0 (`ops.grouped_gemm.row_tile_slots`). A program finds its expert from `Offsets` alone
 (`_expert_tile`: every expert's tile count, their running sum, the first expert whose running sum passes
 the slot) and returns at once when the slot is past the last tile. Tiles never straddle two experts, so a
-tile reads one expert's weight.
+tile reads one expert's weight. Few rows (a decode step: M = tokens * k) need no kernel of their own: the
+grid is then M slots, each row's tile reads its expert's weight once per column tile, and no program runs
+for an expert without rows.
 
 Summation order (what exact mode's batch invariance rests on): one fp32 accumulator from zero, K walked in
 k order BLOCK_K columns at a time (the last step masked to zeros), one rounding to the output dtype at the
@@ -73,7 +75,7 @@ def grouped_gemm_kernel(
 ):
     """Y[rows of e] = round(X[rows of e] @ W[e]^T) for every expert e. X [M, K] and Y [M, N] have unit
     stride along K and N; W [E, N, K] any strides (the input gradient passes W[e]^T as a view). Grid:
-    (cdiv(M, BLOCK_M) + E, cdiv(N, BLOCK_N))."""
+    (row_tile_slots(M, E, BLOCK_M), cdiv(N, BLOCK_N)); BLOCK_E >= E."""
     expert, row0, row_end = _expert_tile(Offsets, E, tl.program_id(0), BLOCK_M, BLOCK_E)
     if expert >= E:
         return

@@ -81,10 +81,10 @@ def grouped_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 # -- the Triton path ------------------------------------------------------------------------------------------
 
 EXACT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
-"""The CUDA forward's launch in exact mode, for every M, routing and shape: BLOCK_K fixes the summation order,
-and BLOCK_M, BLOCK_N, warps and stages stay fixed too, so nothing about a launch depends on the batch.
-64-row tiles suit decode as well as training (a decode step reads each routed expert's weight once; the rows
-it wastes in a tile cost tensor-core work, not memory traffic)."""
+"""The CUDA forward's launch in exact mode, for every M, routing and shape (fp32 inputs take 2 stages for
+shared memory): BLOCK_K fixes the summation order, and BLOCK_M, BLOCK_N and warps stay fixed too, so nothing
+about the launch depends on the batch. Chosen without a GPU measurement. At decode sizes a tile holds one
+or a few rows: its weight reads are the ones any kernel needs, the unused rows cost tensor-core work only."""
 
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
 """The launch under the interpreter (exact or not): small tiles keep the CPU tests fast and make a few rows
@@ -96,9 +96,10 @@ DW_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, nu
 
 
 def _config(M: int, E: int, N: int, device: torch.device, dtype: torch.dtype, exact: bool) -> dict:
-    """The forward kernel's launch. Outside exact mode the tiles follow the shape: BLOCK_M from the mean rows
-    per expert (few rows per expert waste less of a smaller tile), 128 columns for wide outputs; fp32 tiles
-    take 2 pipeline stages (shared memory)."""
+    """The forward kernel's launch. Outside exact mode the tiles follow the shape (a heuristic, not tuned on a
+    GPU): BLOCK_M from the mean rows per expert (an expert's last tile is partial, and with few rows per
+    expert a smaller tile wastes fewer rows), 128 columns for wide outputs; fp32 tiles take 2 pipeline
+    stages (shared memory)."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
     if exact:
@@ -113,6 +114,14 @@ def _config(M: int, E: int, N: int, device: torch.device, dtype: torch.dtype, ex
 
 def _sum_dot(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
+
+
+def row_tile_slots(M: int, E: int, block_m: int) -> int:
+    """Axis 0 of the forward grid: an upper bound on the row tiles of any routing of M rows to E experts,
+    min(cdiv(M, block_m) + E - 1, M). Each tile holds at least one row (so at most M), and
+    cdiv(a, B) + cdiv(b, B) <= cdiv(a + b, B) + 1, so E groups cut into at most cdiv(M, B) + E - 1 tiles.
+    A decode step (M = tokens * k rows) gets M slots, not E: no program per idle expert."""
+    return min(-(-M // block_m) + E - 1, M)
 
 
 def grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, exact: bool = False,
@@ -132,11 +141,11 @@ def grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
     assert x.stride(-1) == 1, x.stride()
     cfg = _launch.launch_config(_config(M, E, N, x.device, x.dtype, exact), config)
     block_m, block_n, block_k = (cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    grid = (-(-M // block_m) + E, -(-N // block_n))
+    grid = (row_tile_slots(M, E, block_m), -(-N // block_n))
     grouped_gemm_kernel[grid](
         x, weight, y, offsets, M, N, K, E, x.stride(0), *weight.stride(), y.stride(0),
         SUM_DOT=_sum_dot(x), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_E=1 << max(E - 1, 0).bit_length(), **cfg)
+        BLOCK_E=max(16, 1 << max(E - 1, 0).bit_length()), **cfg)
     return y
 
 
