@@ -326,6 +326,40 @@ def test_grouped_mlp_takes_the_activation(device, path):
     torch.testing.assert_close(doubled, 2 * grouped_mlp(*args))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_mode_rollout_logprobs_equal_the_trainers_on_a_moe_model(device, path, dtype):
+    """The MoE layer in the engine's exact mode: log-probs of sampled completions from the rollout (decode steps
+    of one token per sequence) equal the trainer's (packed sequences, micro-batches) bit for bit. Needs the
+    batch-invariant expert GEMMs and the fixed-order k-sum (with `grouped_mlp_ref`, fp32 missed by an ulp)."""
+    import hybridengine as he
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if path == "triton" and dtype == torch.float32 and device.type == "cpu":
+        pytest.skip("the interpreter runs one dtype here: its kernels are slow on CPU")
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=67, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=5, num_experts_per_tok=2,
+        max_position_embeddings=64, norm_topk_prob=True)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    engine = he.HybridEngine(hf, he.EngineConfig(
+        dtype=dtype, device=str(device), block_size=4, max_model_len=48, max_num_seqs=8, max_num_batched_tokens=64,
+        exact_logprobs=True, tuning=he.EngineTuning(sampler="torch")))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 67, (n,), generator=g).tolist() for n in (3, 9, 1)]
+    with engine.rollout():
+        outs = engine.generate(prompts, he.SamplingParams(n=2, temperature=0.8, max_tokens=5, seed=5))
+    seqs = [(o.prompt_token_ids, c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+    for micro_batch_tokens in (16384, 20):
+        batch = he.PPOBatch(input_ids=[torch.tensor(p + c) for p, c, _ in seqs])
+        logp = engine.trainer.log_probs(batch, temperature=0.8, micro_batch_tokens=micro_batch_tokens)
+        for b, (p, c, rollout) in enumerate(seqs):
+            got = logp[b, len(p) - 1:len(p) - 1 + len(c)].cpu()
+            assert torch.equal(got, torch.tensor(rollout, dtype=torch.float32)), (b, micro_batch_tokens)
+
+
 # -- argument checks -----------------------------------------------------------------------------------------------
 
 
