@@ -12,6 +12,9 @@ truncate, else 2^-24).
 """
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -358,6 +361,51 @@ def test_exact_mode_rollout_logprobs_equal_the_trainers_on_a_moe_model(device, p
         for b, (p, c, rollout) in enumerate(seqs):
             got = logp[b, len(p) - 1:len(p) - 1 + len(c)].cpu()
             assert torch.equal(got, torch.tensor(rollout, dtype=torch.float32)), (b, micro_batch_tokens)
+
+
+COMPILE_FOR_SM90 = """
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridengine.kernels import grouped_gemm as K
+from hybridengine.ops import grouped_gemm as G
+
+cuda = torch.device("cuda")  # a device object only: nothing runs on it
+ints = lambda names: {n: "i32" for n in names}
+for dtype, out, torch_dtype in (("bf16", "bf16", torch.bfloat16), ("bf16", "fp32", torch.bfloat16),
+                                ("fp32", "fp32", torch.float32)):
+    shapes = [(8, 8, 1536, True), (8, 8, 1536, False), (384, 8, 1536, False), (4096, 8, 1536, False)]
+    for M, E, N, exact in shapes if out == "bf16" else shapes[:1] + shapes[-1:]:
+        cfg = G._config(M, E, N, cuda, torch_dtype, exact)
+        sig = {"X": f"*{dtype}", "W": f"*{dtype}", "Y": f"*{out}", "Offsets": "*i32",
+               **ints(["M", "N", "K", "E", "stride_xm", "stride_we", "stride_wn", "stride_wk", "stride_ym"]),
+               **{c: "constexpr" for c in ("SUM_DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_E")}}
+        src = ASTSource(fn=K.grouped_gemm_kernel, signature=sig, constexprs=dict(
+            SUM_DOT=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_E=16))
+        triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    if out == "fp32" and dtype == "bf16":
+        continue
+    cfg = G.DW_CONFIG
+    sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "DW": f"*{dtype}", "Offsets": "*i32",
+           **ints(["N", "K", "stride_dym", "stride_xm", "stride_dwe", "stride_dwn"]),
+           **{c: "constexpr" for c in ("SUM_DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+    src = ASTSource(fn=K.grouped_gemm_dw_kernel, signature=sig, constexprs=dict(
+        SUM_DOT=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"]))
+    triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile for real in the tests above")
+def test_kernels_compile_for_sm90():
+    """The compiler checks what the interpreter does not (the early return, the block cumsum, `tl.dot` tile
+    shapes): the forward at the exact launch and at each shape-picked launch, and the weight-gradient kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 # -- argument checks -----------------------------------------------------------------------------------------------
