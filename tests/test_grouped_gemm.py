@@ -235,6 +235,49 @@ def test_exact_rows_are_batch_invariant_at_model_sizes(dtype):
     assert torch.equal(small, y[rows])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact", [False, True])
+def test_model_sizes_match_the_reference(exact):
+    """On the GPU at an MoE layer's sizes, with the launches the shapes pick (a training batch and a decode
+    step): the forward and both gradients in bf16 against float64, within the tolerances of the small shapes."""
+    device = torch.device("cuda")
+    E, k, n = 16, 2048, 1536
+    g = torch.Generator().manual_seed(4)
+    for tokens in (512, 1):
+        experts = torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(tokens)])
+        sizes = torch.bincount(experts.reshape(-1), minlength=E).tolist()
+        x = torch.randn(sum(sizes), k, generator=g).to(torch.bfloat16).to(device).requires_grad_()
+        w = (torch.randn(E, n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(device).requires_grad_()
+        grad_y = torch.randn(sum(sizes), n, generator=g).to(torch.bfloat16).to(device)
+        y = grouped_gemm(x, w, sizes, exact=exact)
+        y.backward(grad_y)
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        truth = grouped_gemm_ref(x64, w64, sizes)
+        truth.backward(grad_y.double())
+        xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+        same = grouped_gemm_ref(xs, ws, sizes)
+        same.backward(grad_y)
+        for got, ref, want in ((y, same, truth), (x.grad, xs.grad, x64.grad), (w.grad, ws.grad, w64.grad)):
+            err = (got.double() - want).abs().max().item()
+            ref_err = (ref.double() - want).abs().max().item()
+            assert err <= 2 * ref_err, (tokens, err, ref_err)
+
+
+@pytest.mark.gpu
+def test_grouped_mlp_needs_no_host_sync():
+    """The CUDA path routes, runs both grouped GEMMs and sums the k rows without a host sync (what a CUDA
+    graph capture of a decode step needs): torch's sync debug mode turns any sync into an error."""
+    x, gate_up, down, experts, weights = _mlp_inputs(4, 8, 2, torch.bfloat16, torch.device("cuda"))
+    grouped_mlp(x, gate_up, down, experts, weights, exact=True)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_mlp(x, gate_up, down, experts, weights, exact=True)
+        grouped_gemm(x, gate_up, torch.tensor([4, 0, 0, 0, 0, 0, 0, 0], device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 # -- grouped_mlp ---------------------------------------------------------------------------------------------------
 
 
