@@ -24,6 +24,7 @@ import torch
 
 from hybridengine.checks import FLOAT_DTYPES, describe, is_int, tensor
 from hybridengine.ops import _launch
+from hybridengine.ops.exact_linear import linear_exact
 
 @dataclass(frozen=True, slots=True)
 class Routing:
@@ -213,8 +214,6 @@ def _grouped_ref(x: torch.Tensor, weight: torch.Tensor, sizes: list[int], out_dt
 def _grouped_exact_torch(x: torch.Tensor, weight: torch.Tensor, sizes: list[int],
                          out_dtype: torch.dtype) -> torch.Tensor:
     """Exact mode without the kernel: `linear_exact` per expert (batch-invariant; differentiable)."""
-    from hybridengine.ops.exact_linear import linear_exact
-
     outs, start = [], 0
     for e, n in enumerate(sizes):
         if n:
