@@ -498,6 +498,7 @@ def test_float64_is_for_the_reference_path(monkeypatch):
     (dict(down=torch.randn(3, 6, 5)), r"down must have shape \(3, 6, 4\), got \(3, 6, 5\)"),
     (dict(experts=torch.zeros(4, 2, dtype=torch.int32)), "experts must be torch.int64, got torch.int32"),
     (dict(experts=torch.zeros(3, 2, dtype=torch.long)), r"experts must be \[N, k\] with N = x.shape\[0\] = 4"),
+    (dict(experts=torch.zeros(4, 0, dtype=torch.long), weights=torch.rand(4, 0)), r"k >= 1, got shape \(4, 0\)"),
     (dict(experts=torch.full((4, 2), 3)), r"experts must be in \[0, 3\), got values in \[3, 3\]"),
     (dict(weights=torch.rand(4, 3)), r"weights must have shape \(4, 2\), got \(4, 3\)"),
     (dict(weights=torch.ones(4, 2, dtype=torch.long)), "weights must be a float tensor"),

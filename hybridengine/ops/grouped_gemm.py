@@ -26,6 +26,7 @@ from hybridengine.checks import FLOAT_DTYPES, describe, is_int, tensor
 from hybridengine.ops import _launch
 from hybridengine.ops.exact_linear import linear_exact
 
+
 @dataclass(frozen=True, slots=True)
 class Routing:
     """A batch's (token, expert) assignments sorted by expert."""
@@ -312,8 +313,8 @@ def _check_mlp(x, gate_up, down, experts, weights, exact) -> None:
                          f"{tuple(gate_up.shape)}")
     tensor(op, "down", down, shape=(E, hidden, two_inter // 2), dtypes=(x.dtype,), device=x.device)
     tensor(op, "experts", experts, dim=2, dtypes=(torch.int64,), device=x.device)
-    if experts.shape[0] != num_tokens:
-        raise ValueError(f"{op}: experts must be [N, k] with N = x.shape[0] = {num_tokens}, got shape "
+    if experts.shape[0] != num_tokens or experts.shape[1] < 1:
+        raise ValueError(f"{op}: experts must be [N, k] with N = x.shape[0] = {num_tokens} and k >= 1, got shape "
                          f"{tuple(experts.shape)}")
     tensor(op, "weights", weights, shape=tuple(experts.shape), device=x.device, floating=True)
     # On the CPU the ids are checked; a CUDA tensor's are not (a host sync): an id outside [0, E) there leaves
