@@ -56,12 +56,12 @@ def info() -> str:
         "implementations:",
     ]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    from hybridengine.ops import (exact_attention, exact_linear, kv_store, paged_attention, prefill_attention, rms_norm,
-                                  rope, silu_mul)
+    from hybridengine.ops import (exact_attention, exact_linear, grouped_gemm, kv_store, paged_attention,
+                                  prefill_attention, rms_norm, rope, silu_mul)
 
     for dev in devices:
         for source in (ops, kv_store, paged_attention, prefill_attention, rms_norm, silu_mul, rope, exact_linear,
-                       exact_attention):
+                       exact_attention, grouped_gemm):
             for op, impl in source.implementations(dev).items():
                 lines.append(f"  {op:<22} {dev:<5} {impl}")
     return "\n".join(lines)

@@ -7,12 +7,13 @@ Parameter names are transformers' (5.x in-memory names): `mlp.gate.weight` [E, H
 
 Routing, as transformers: router logits in the model dtype, softmax in fp32, top-k of the probabilities,
 renormalised when `norm_topk_prob`, rounded to the model dtype. The experts run as the grouped SwiGLU
-MLP of `ops.grouped_gemm` (tokens sorted by expert, one GEMM per expert). The flat-token forwards tell the
+MLP of `ops.grouped_gemm` (tokens sorted by expert on the device; Triton grouped GEMMs on CUDA, one GEMM per
+expert in torch elsewhere; each token's k rows added in slot order). The flat-token forwards tell the
 attention backend each layer's router logits and choices (`FlatAttention.record_routing`): training adds the
 load-balancing loss from them, the rollout reports the choices when asked (`EngineConfig.return_routed_experts`).
 
 Exact mode (`EngineConfig.exact_logprobs`) routes and combines by `ops.moe_exact`'s rule: batch-invariant
-routing (ties to the lowest expert id), `linear_exact` per expert, the k experts' outputs added in slot order
+routing (ties to the lowest expert id), the batch-invariant grouped GEMMs, the k experts' outputs added in slot order
 in fp32 and rounded once, so that the rollout and the trainer compute a token's bits alike.
 """
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import MLP, FlatAttention, _FlatOps, _linear, project
-from hybridengine.ops.grouped_gemm import grouped_mlp_ref
+from hybridengine.ops.grouped_gemm import grouped_mlp
 from hybridengine.ops.moe_exact import exact_experts, exact_routing, sigmoid_exact
 from hybridengine.ops.silu_mul import silu_mul
 
@@ -72,7 +73,7 @@ class SparseMoeBlock(nn.Module):
         act = None if silu_mul is None else (lambda g, u: silu_mul(g.contiguous(), u.contiguous()))
         if exact:
             return self._moe_exact(x, experts, weights, act)
-        out = grouped_mlp_ref(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act)
+        out = grouped_mlp(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act)
         if self.shared_expert is not None:
             shared = self.shared_expert.forward(x) if silu_mul is None else self._shared_flat(x, silu_mul, exact)
             out = out + torch.sigmoid(project(self.shared_expert_gate, x, exact)) * shared
@@ -105,6 +106,6 @@ class SparseMoeBlock(nn.Module):
         return self._moe(h, exact, ops.silu_mul, attn, layer_idx)
 
     def forward_rollout(self, h: torch.Tensor, exact: bool, attn: FlatAttention, layer_idx: int) -> torch.Tensor:
-        """`Kernels.ROLLOUT`: the same computation (SiLU * up in torch; the experts' kernels come with the
-        grouped GEMM); records the routing in `attn`."""
+        """`Kernels.ROLLOUT`: the same computation (SiLU * up in torch, the experts' grouped GEMMs); records
+        the routing in `attn`."""
         return self._moe(h, exact, silu_mul, attn, layer_idx)

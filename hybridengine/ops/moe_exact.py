@@ -18,8 +18,8 @@ The rule (what the rollout and the trainer both compute, for each token):
    y2, ...), no atomics; the caller adds further fp32 terms (the shared expert) and rounds once to the model
    dtype (round to nearest even).
 
-Layers: `exact_routing` and `exact_experts` (the torch path, differentiable: training runs it too; a Triton
-kernel that keeps steps 4-5 can replace `exact_experts`), `exact_experts_ref` (float64 math: the value the path
+Layers: `exact_routing` and `exact_experts` (differentiable: training runs it too; steps 4-5 run as
+`ops.grouped_gemm.grouped_mlp(exact=True)`), `exact_experts_ref` (float64 math: the value the path
 approximates, for tests), and the checked op `moe_experts_exact`.
 """
 
@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 
 from hybridengine.checks import FLOAT_DTYPES, tensor
-from hybridengine.ops.exact_linear import linear_exact
-from hybridengine.ops.grouped_gemm import route_tokens
+from hybridengine.ops.grouped_gemm import grouped_mlp
 
 LANE_PAD = 64
 """`sigmoid_exact` pads its flat run to a multiple of this (as `silu_mul.silu_mul_torch`): no element falls in
@@ -52,27 +51,10 @@ def exact_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
                   weights: torch.Tensor, silu_mul=None) -> torch.Tensor:
     """The routed experts' SwiGLU MLP by steps 4-5 of the module's rule: x [N, H] (model dtype), gate_up
     [E, 2I, H], down [E, H, I], experts int64 [N, k], weights fp32 [N, k] -> the unrounded fp32 sum [N, H].
-    `silu_mul(gate, up)`: the activation (default silu(gate) * up in the model dtype)."""
-    N, k = experts.shape
-    inter = gate_up.shape[1] // 2
-    if N == 0:
-        return x.new_zeros(0, x.shape[1], dtype=torch.float32)
-    routing = route_tokens(experts, gate_up.shape[0])
-    rows = x[routing.tokens]
-    outs, start = [], 0
-    for e, n in enumerate(routing.group_sizes):
-        if n:
-            gu = linear_exact(rows[start:start + n], gate_up[e])
-            gate, up = gu[:, :inter], gu[:, inter:]
-            act = silu_mul(gate, up) if silu_mul is not None else torch.nn.functional.silu(gate) * up
-            outs.append(linear_exact(act, down[e], out_dtype=torch.float32))
-        start += n
-    # sorted rows back to (token, slot) order: row routing.order[i] of the flat assignments is sorted row i
-    per_slot = torch.cat(outs)[torch.argsort(routing.order)].view(N, k, -1)
-    out = weights[:, 0:1] * per_slot[:, 0]
-    for j in range(1, k):
-        out = out + weights[:, j:j + 1] * per_slot[:, j]
-    return out
+    `silu_mul(gate, up)`: the activation (default silu(gate) * up in the model dtype). `ops.grouped_gemm`'s
+    `grouped_mlp` keeps these steps: its exact GEMMs are batch-invariant (Triton on CUDA, `linear_exact` per
+    expert elsewhere) and it adds the slots in order."""
+    return grouped_mlp(x, gate_up, down, experts, weights, silu_mul, exact=True, out_dtype=torch.float32)
 
 
 def exact_experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
