@@ -113,6 +113,7 @@ def overrides(paths: dict[str, Path], args: argparse.Namespace) -> list[str]:
         "trainer.save_freq=-1", "trainer.logger=[console,file]", "trainer.project_name=hybridengine",
         "trainer.experiment_name=verl_grpo",
         f"trainer.default_local_dir={args.out}/checkpoints",
+        f"hydra.run.dir={args.out}/hydra",  # Hydra's own run folder, else ./outputs/<date>/<time> in the cwd
     ]
     if args.exact:  # rollout log-probs are the trainer's bit for bit
         over.append("+actor_rollout_ref.rollout.engine_kwargs.hybridengine.exact_logprobs=true")
