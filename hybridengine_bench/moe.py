@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import traceback
 
 import torch
 
@@ -99,16 +100,18 @@ def moe_e2e(ctx: Ctx) -> None:
     w = e2e._work(ctx)
     for model in models(ctx):
         prompts, params, ppo = _inputs(he, model, ctx, w)
-        graphs = ctx.cuda
+        graphs, failure = ctx.cuda, None
         engine = _engine(he, model, ctx, w, exact=False, cuda_graphs=graphs)
         try:
             e2e.engine_step(ctx, engine, prompts, params, ppo, 0)  # warm-up: compilation, graphs, optimizer state
         except Exception as e:  # noqa: BLE001 - recorded; the bench goes on without CUDA graphs
             if not graphs:
                 raise
-            ctx.rec.not_run(BENCH_E2E, "hybridengine", model, f"cuda_graphs=True: {type(e).__name__}: {str(e)[:300]}",
-                            cuda_graphs=True)
-            ctx.log(f"  {BENCH_E2E} {model}: the step with CUDA graphs failed ({type(e).__name__}); again without")
+            ctx.log(traceback.format_exc())
+            failure = f"cuda_graphs=True: {type(e).__name__}: {str(e)[:300]}"
+        if failure is not None:  # out of the except block: its traceback no longer holds the engine's memory
+            ctx.rec.not_run(BENCH_E2E, "hybridengine", model, failure, cuda_graphs=True)
+            ctx.log(f"  {BENCH_E2E} {model}: the warm-up step with CUDA graphs failed; again without them")
             del engine
             release_memory()
             graphs = False
@@ -116,7 +119,8 @@ def moe_e2e(ctx: Ctx) -> None:
             e2e.engine_step(ctx, engine, prompts, params, ppo, 0)
         with ctx.peak() as pm:
             steps = [e2e.engine_step(ctx, engine, prompts, params, ppo, i) for i in range(1, 1 + ctx.reps(2))]
-        e2e._record(ctx, "hybridengine", model, w, steps, pm, bench=BENCH_E2E, cuda_graphs=graphs)
+        e2e._record(ctx, "hybridengine", model, w, steps, pm, bench=BENCH_E2E, cuda_graphs=graphs,
+                    activation_checkpointing=ppo.activation_checkpointing)
         _decode(ctx, engine, model, w, prompts, params, graphs)
         del engine
         release_memory()
@@ -281,12 +285,11 @@ def moe_routing(ctx: Ctx) -> None:
             ctx.rec.add(BENCH_ROUTING, "hybridengine", model, {**case, "stat": stat}, "nats", float(value))
         ctx.rec.add(BENCH_ROUTING, "hybridengine", model, {**case, "stat": "logprob_equal"}, "fraction",
                     float((diff == 0).double().mean()))
-        mismatch = _mismatch(log, passes, seqs, samples)
+        mismatch, missing = _mismatch(log, passes, seqs, samples)
         for phase, (pairs, tokens, count) in mismatch.items():
-            ctx.rec.add(BENCH_ROUTING, "hybridengine", model, {**case, "phase": phase, "stat": "mismatch_token_layer",
-                                                               "tokens": count}, "fraction", pairs)
-            ctx.rec.add(BENCH_ROUTING, "hybridengine", model, {**case, "phase": phase, "stat": "mismatch_token",
-                                                               "tokens": count}, "fraction", tokens)
+            c = {**case, "phase": phase, "tokens": count, "positions_not_logged": missing}
+            ctx.rec.add(BENCH_ROUTING, "hybridengine", model, {**c, "stat": "mismatch_token_layer"}, "fraction", pairs)
+            ctx.rec.add(BENCH_ROUTING, "hybridengine", model, {**c, "stat": "mismatch_token"}, "fraction", tokens)
         num_experts = engine.model.config.num_experts
         ctx.rec.add(BENCH_ROUTING, "hybridengine", model, {**case, "stat": "touched_experts",
                                                            "num_experts": num_experts}, "fraction",
@@ -298,9 +301,11 @@ def moe_routing(ctx: Ctx) -> None:
         release_memory()
 
 
-def _mismatch(log: RoutingLog, passes: list, seqs: list, samples: list) -> dict[str, tuple[float, float, int]]:
-    """phase -> (fraction of (token, layer) pairs whose top-k sets differ, fraction of tokens with any layer
-    differing, tokens compared), over every position the rollout fed (prompt and response but the last)."""
+def _mismatch(log: RoutingLog, passes: list, seqs: list, samples: list) -> tuple[dict, int]:
+    """(phase -> (fraction of (token, layer) pairs whose top-k sets differ, fraction of tokens with any layer
+    differing, tokens compared), positions the log lacks) over every position the rollout fed: the prompt and
+    the response but its last token. `seqs`: (prompt, response, log-probs) in training's batch order; `samples`:
+    (prompt index, sample index) of each."""
     index, rollout, phases = log.table()
     train_rows, train_blocks, base = {}, [], 0
     for rows, attn in passes:
@@ -312,20 +317,23 @@ def _mismatch(log: RoutingLog, passes: list, seqs: list, samples: list) -> dict[
     training = torch.cat(train_blocks, dim=1)
     order = {key: i for i, key in enumerate(sorted({k[0] for k in index}))}  # request key -> prompt index
     request = {i: key for key, i in order.items()}
-    r_idx, t_idx, r_phase = [], [], []
+    r_idx, t_idx, r_phase, missing = [], [], [], 0
     for b, ((p, r, _), (prompt_i, sample)) in enumerate(zip(seqs, samples)):
         for pos in range(len(p) + len(r) - 1):
             key = (request[prompt_i], pos) if pos < len(p) else (request[prompt_i], sample, pos)
+            if key not in index:
+                missing += 1
+                continue
             r_idx.append(index[key])
             t_idx.append(train_rows[b] + pos)
             r_phase.append(phases[index[key]])
     differs = (rollout[:, r_idx] != training[:, t_idx]).any(dim=-1)  # [layers, tokens]
     out = {}
     for phase in ("prefill", "decode"):
-        cols = torch.tensor([ph == phase for ph in r_phase])
+        cols = torch.tensor([ph == phase for ph in r_phase], dtype=torch.bool)
         d = differs[:, cols]
         out[phase] = (float(d.double().mean()), float(d.any(dim=0).double().mean()), int(cols.sum()))
-    return out
+    return out, missing
 
 
 # -- the peer: transformers' MoE model under FSDP2 ---------------------------------------------------------------
@@ -346,13 +354,13 @@ def moe_e2e_fsdp2(ctx: Ctx) -> None:
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     for name in models(ctx):
         model = hf_model(name, dtype=torch.float32, device=ctx.device)
-        experts_impl = model.config._experts_implementation
+        experts_impl = getattr(model.config, "_experts_implementation", None)  # transformers >= 5 names it
         coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=ctx.cuda)  # fused: no foreach temporaries
         g = torch.Generator().manual_seed(7 + ctx.rank)
         prompts = torch.randint(0, model.config.vocab_size, (w.prompts, w.prompt), generator=g).to(ctx.device)
         prompts = prompts.repeat_interleave(w.n, 0)
@@ -410,7 +418,7 @@ def moe_e2e_fsdp2(ctx: Ctx) -> None:
         with ctx.peak() as pm:
             steps = [step(i, w.new_tokens) for i in range(1, 1 + ctx.reps(2))]
         e2e._record(ctx, PEER, name, w, steps, pm, bench=BENCH_E2E, experts_implementation=experts_impl,
-                    optimizer="torch AdamW (foreach)", activation_checkpointing=False)
+                    optimizer="torch AdamW (fused)" if ctx.cuda else "torch AdamW", activation_checkpointing=False)
         _ratio_to_peer(ctx, name, w, steps)
         del model, opt, units
         release_memory()
