@@ -10,6 +10,8 @@ import torch
 from test_bench import run_suite
 
 from hybridengine_bench.moe import RoutingLog, _mismatch
+from hybridengine_bench.report import report
+from hybridengine_bench.report.fmt import sig
 
 
 def one(rows, **match):
@@ -64,6 +66,13 @@ def test_moe_suite_rows_and_ratios_on_cpu(tmp_path):
         other = one(rows, bench="grouped_gemm", provider=r["case"]["to"], **key)
         assert r["value"] == pytest.approx(mine["value"] / other["value"], rel=1e-9)
     assert len(gg) >= 2 * 4  # to floor and to dense, 2 batches x 2 projections, for the reference at least
+
+    # the report's MoE section shows the goals from these rows
+    text = report(tmp_path / "rows.jsonl", tmp_path / "report", tmp_path / "no_readme.md").read_text()
+    section = text[text.index("## Mixture of experts"):]
+    for label, goal, row in (("GRPO step: transformers + FSDP2 / hybridengine", ">= 3", ratio),
+                             ("decode step / bytes floor", "<= 2", decode_ratio)):
+        assert f"| {label} | tiny-qwen3-moe | {goal} | {sig(row['value'])} |" in section
 
 
 def test_routing_mismatch_counts_the_differing_tokens_and_layers():
