@@ -20,7 +20,7 @@ Benches, in the order the `moe` suite runs them:
   call, new tokens/s, the decode step (engine.stats), its floor (provider floor: bytes per decode step over this
   run's HBM copy bandwidth; the parts in case) and `ratio` rows: decode step / floor (goal <= 2), decode
   tokens/s / floor tokens/s. A CUDA-graph capture that fails is recorded as a not_run row and the bench goes on
-  with an engine without graphs (case.cuda_graphs says which ran).
+  with an engine without graphs (case.cuda_graphs says which ran); HE_BENCH_MOE_GRAPHS=0 starts without them.
 - `moe_e2e_fsdp2` (provider fsdp2_hf): transformers' `Qwen3MoeForCausalLM` in fp32 with `fully_shard` per decoder
   layer and the root (bf16 compute, fp32 reduce), torch AdamW: every unit unsharded once and HF `generate`
   (sampling, dynamic cache), then the reshard; log-probs by no-grad forwards and the update by forward/backward
@@ -33,6 +33,7 @@ Benches, in the order the `moe` suite runs them:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import traceback
 
@@ -74,6 +75,11 @@ def hbm_gbps(ctx: Ctx) -> tuple[float, str]:
     return (value, "hbm_copy row of this run") if value is not None else (HBM_GBPS_DESIGN, "DESIGN.md")
 
 
+def cuda_graphs_first(ctx: Ctx) -> bool:
+    """Whether `moe_e2e` starts with CUDA graphs: on CUDA, unless HE_BENCH_MOE_GRAPHS=0."""
+    return ctx.cuda and os.environ.get("HE_BENCH_MOE_GRAPHS", "1") != "0"
+
+
 def _engine(he, model: str, ctx: Ctx, w: e2e.E2EWork, *, exact: bool, cuda_graphs: bool):
     return he.HybridEngine(he.model_config(model), he.EngineConfig(
         dtype=torch.bfloat16 if ctx.cuda else torch.float32, device=str(ctx.device), exact_logprobs=exact,
@@ -100,7 +106,7 @@ def moe_e2e(ctx: Ctx) -> None:
     w = e2e._work(ctx)
     for model in models(ctx):
         prompts, params, ppo = _inputs(he, model, ctx, w)
-        graphs, failure = ctx.cuda, None
+        graphs, failure = cuda_graphs_first(ctx), None
         engine = _engine(he, model, ctx, w, exact=False, cuda_graphs=graphs)
         try:
             e2e.engine_step(ctx, engine, prompts, params, ppo, 0)  # warm-up: compilation, graphs, optimizer state
@@ -373,7 +379,8 @@ def moe_e2e_fsdp2(ctx: Ctx) -> None:
             try:
                 return model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                                      temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+                                      temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0,
+                                      output_router_logits=False)  # no load-balancing loss per decode step
             finally:
                 for layer in model.model.layers:
                     layer.set_reshard_after_forward(True)

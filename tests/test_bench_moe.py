@@ -9,6 +9,8 @@ import pytest
 import torch
 from test_bench import run_suite
 
+from hybridengine_bench import e2e, moe
+from hybridengine_bench.common import Ctx, Recorder
 from hybridengine_bench.moe import RoutingLog, _mismatch
 from hybridengine_bench.report import report
 from hybridengine_bench.report.fmt import sig
@@ -100,3 +102,26 @@ def test_routing_mismatch_counts_the_differing_tokens_and_layers():
     assert out["prefill"] == (0.0, 0.0, 6)
     assert out["decode"] == (pytest.approx(1 / 8), pytest.approx(1 / 4), 4)
     assert log.touched_fraction(6) == pytest.approx(3 / 6)  # 3 of 6 experts in each decode step and layer
+
+
+def test_a_failed_cuda_graph_warm_up_is_recorded_and_the_step_runs_without_graphs(monkeypatch):
+    """moe_e2e's fallback (a graph capture that fails, as one of `grouped_mlp_ref`'s host reads would): a not_run
+    row naming the error, then the GRPO step and decode rows of an engine without graphs."""
+    engine_step, configs = e2e.engine_step, []
+
+    def first_fails(ctx, engine, *args):
+        configs.append(engine.config.cuda_graphs)
+        if len(configs) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return engine_step(ctx, engine, *args)
+
+    monkeypatch.setattr(e2e, "engine_step", first_fails)
+    monkeypatch.setattr(moe, "cuda_graphs_first", lambda ctx: True)
+    rec = Recorder(path=None, run_id="test", gpu="cpu", num_gpus=0, commit="test", versions={})
+    moe.moe_e2e(Ctx(rec=rec, device=torch.device("cpu"), rank=0, world=1, models=[], scale=0.3))
+    assert configs[:2] == [True, False]
+    failed = one(rec.rows, metric="not_run")
+    assert failed["case"]["cuda_graphs"] is True and "stream is capturing" in failed["case"]["reason"]
+    step = one(rec.rows, bench="moe_e2e", metric="seconds", case_phase=None)
+    assert step["case"]["cuda_graphs"] is False
+    assert one(rec.rows, bench="moe_decode", metric="ratio", case_what="decode_step")["case"]["cuda_graphs"] is False
