@@ -146,7 +146,8 @@ def _decode(ctx: Ctx, engine, model: str, w: e2e.E2EWork, prompts, params, graph
     ctx.rec.add(BENCH_DECODE, "hybridengine", model, case, "tokens_per_s", [batch * w.new_tokens / t for t in times])
     ctx.record_peak(pm, BENCH_DECODE, "hybridengine", model, case)
     ctx.rec.add(BENCH_DECODE, "hybridengine", model, {**case, "what": "decode_step"}, "seconds", step)
-    floor_s, parts = decode_floor(ctx, engine.model.config, model, batch, w.prompt + w.new_tokens // 2)
+    floor_s, parts = decode_floor(ctx, engine.model.config, model, batch, w.prompt + w.new_tokens // 2,
+                                  elem=torch.finfo(engine.config.dtype).bits // 8)
     ctx.rec.add(BENCH_DECODE, "floor", model, {**case, "what": "decode_step", **parts}, "seconds", floor_s)
     ratio_case = {**case, "what": "decode_step", "to": "floor", "touched_source": parts["touched_source"]}
     ctx.rec.add(BENCH_DECODE, "hybridengine", model, ratio_case, "ratio", step / floor_s)
@@ -156,14 +157,14 @@ def _decode(ctx: Ctx, engine, model: str, w: e2e.E2EWork, prompts, params, graph
             f"({step / floor_s:.2f}x; goal <= 2), {batch / step:,.0f} tok/s")
 
 
-def decode_floor(ctx: Ctx, cfg, model: str, batch: int, mean_context: int) -> tuple[float, dict]:
-    """Seconds of one decode step reading only what it must, and its parts: every weight but the experts' and the
-    embedding's, the experts the batch routes to (this run's touched fraction from `moe_routing` at the same
-    batch, else the expectation under uniform routing), `batch` embedding rows and the KV of `batch` sequences at
-    `mean_context` tokens, over this run's HBM copy bandwidth."""
+def decode_floor(ctx: Ctx, cfg, model: str, batch: int, mean_context: int, *, elem: int) -> tuple[float, dict]:
+    """Seconds of one decode step reading only what it must, and its parts, for a model whose every layer is an
+    MoE layer: every weight but the experts' and the embedding's, the experts the batch routes to (this run's
+    touched fraction from `moe_routing` at the same batch, else the expectation under uniform routing), `batch`
+    embedding rows and the KV of `batch` sequences at `mean_context` tokens, `elem` bytes an element, over this
+    run's HBM copy bandwidth."""
     L, H, E, k = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
     inter, hd = cfg.moe_intermediate_size, cfg.head_dim
-    elem = 2 if ctx.cuda else 4
     attn = H * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 2 * hd + 2 * H
     router = E * H
     expert = 3 * H * inter
@@ -321,8 +322,7 @@ def _mismatch(log: RoutingLog, passes: list, seqs: list, samples: list) -> tuple
             train_rows[b] = base + start
         base += attn.cu[-1]
     training = torch.cat(train_blocks, dim=1)
-    order = {key: i for i, key in enumerate(sorted({k[0] for k in index}))}  # request key -> prompt index
-    request = {i: key for key, i in order.items()}
+    request = sorted({k[0] for k in index})  # prompt index -> request key (keys count up in admission order)
     r_idx, t_idx, r_phase, missing = [], [], [], 0
     for b, ((p, r, _), (prompt_i, sample)) in enumerate(zip(seqs, samples)):
         for pos in range(len(p) + len(r) - 1):
