@@ -370,6 +370,8 @@ def moe_e2e_fsdp2(ctx: Ctx) -> None:
         g = torch.Generator().manual_seed(7 + ctx.rank)
         prompts = torch.randint(0, model.config.vocab_size, (w.prompts, w.prompt), generator=g).to(ctx.device)
         prompts = prompts.repeat_interleave(w.n, 0)
+        with torch.no_grad():  # FSDP's lazy initialisation (the root, its streams) before the first explicit unshard
+            model(input_ids=prompts[:1, :8], output_router_logits=False)
 
         def generate(new_tokens: int) -> torch.Tensor:
             for u in units:  # gather once for the whole generation (the DeepSpeed loop's GatheredParameters)
