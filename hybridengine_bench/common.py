@@ -23,7 +23,8 @@ RESULTS = REPO / "hybridengine_bench" / "results" / "results.jsonl"
 FIELDS = ("run_id", "time", "commit", "gpu", "num_gpus", "torch", "bench", "provider", "model", "case",
           "metric", "value", "p20", "p80", "versions")
 METRICS = ("seconds", "tokens_per_s", "GB_per_s", "busbw_GB_per_s", "TFLOP_per_s", "peak_GiB", "nats", "fraction",
-           "GiB", "tokens", "not_run")
+           "GiB", "tokens", "ratio", "not_run")
+"""`ratio`: one measurement over another of the same run (or over its floor); case.to names the denominator."""
 MiB = 2**20
 GiB = 2**30
 

@@ -54,6 +54,30 @@ def _case(ctx: Ctx, w: E2EWork) -> dict:
     return dict(prompts_per_gpu=w.prompts, prompt=w.prompt, samples=w.n, new_tokens=w.new_tokens)
 
 
+def engine_step(ctx: Ctx, engine, prompts: list[list[int]], params, ppo, index: int) -> dict[str, float]:
+    """One GRPO step on a HybridEngine: rollout (switch, generate, switch back), log-probs, update; the seconds
+    of each phase (slowest rank)."""
+    t = {}
+    ctx.sync()
+    t0 = time.perf_counter()
+    rollout = engine.rollout()
+    rollout.__enter__()
+    t["switch_to_generation"] = engine.stats["switch_to_generation_s"]
+    t["rollout_setup"] = time.perf_counter() - t0 - t["switch_to_generation"]
+    try:
+        t1 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        ctx.sync()
+        t["generate"] = time.perf_counter() - t1
+    finally:
+        t2 = time.perf_counter()
+        rollout.__exit__(None, None, None)
+        ctx.sync()
+        t["switch_to_training"] = time.perf_counter() - t2
+    train_on(ctx, engine, outs, index, params.n, ppo, t)
+    return _phase_max(ctx, t)
+
+
 def train_on(ctx: Ctx, engine, outs, index: int, n: int, ppo, t: dict[str, float]) -> None:
     """The GRPO step's training half on a rollout's outputs: old log-probs recomputed (t["log_probs"]), one
     ppo_step, then prepare_rollout() for the next rollout (t["update"])."""
@@ -85,22 +109,23 @@ def _rewards(num: int, step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 2, (num,), generator=g).float()
 
 
-def _record(ctx: Ctx, provider: str, model: str, w: E2EWork, steps: list[dict], pm, **variant) -> None:
-    """Rows of one provider from per-step phase timings (seconds, slowest rank per phase)."""
+def _record(ctx: Ctx, provider: str, model: str, w: E2EWork, steps: list[dict], pm, bench: str = BENCH,
+            **variant) -> None:
+    """Rows of one provider from per-step phase timings (seconds, slowest rank per phase), under `bench`."""
     case = {**_case(ctx, w), **variant}
     totals = [sum(s.values()) for s in steps]
     seqs = w.prompts * w.n
     all_tokens = ctx.world * seqs * (w.prompt + w.new_tokens)
     response = ctx.world * seqs * w.new_tokens
-    ctx.rec.add(BENCH, provider, model, case, "seconds", totals)
-    ctx.rec.add(BENCH, provider, model, {**case, "count": "all"}, "tokens_per_s", [all_tokens / t for t in totals])
-    ctx.rec.add(BENCH, provider, model, {**case, "count": "response"}, "tokens_per_s", [response / t for t in totals])
+    ctx.rec.add(bench, provider, model, case, "seconds", totals)
+    ctx.rec.add(bench, provider, model, {**case, "count": "all"}, "tokens_per_s", [all_tokens / t for t in totals])
+    ctx.rec.add(bench, provider, model, {**case, "count": "response"}, "tokens_per_s", [response / t for t in totals])
     for phase in steps[0]:
-        ctx.rec.add(BENCH, provider, model, {**case, "phase": phase}, "seconds", [s[phase] for s in steps])
-    ctx.record_peak(pm, BENCH, provider, model, case)
+        ctx.rec.add(bench, provider, model, {**case, "phase": phase}, "seconds", [s[phase] for s in steps])
+    ctx.record_peak(pm, bench, provider, model, case)
     med = quantiles(totals)[1]
     split = ", ".join(f"{p} {quantiles([s[p] for s in steps])[1]:.3g} s" for p in steps[0])
-    ctx.log(f"  {BENCH} {provider} {model}: {med:.2f} s/step, {all_tokens / med:,.0f} tok/s ({split})")
+    ctx.log(f"  {bench} {provider} {model}: {med:.2f} s/step, {all_tokens / med:,.0f} tok/s ({split})")
 
 
 def _phase_max(ctx: Ctx, phases: dict[str, float]) -> dict[str, float]:
@@ -124,25 +149,7 @@ def ppo_e2e(ctx: Ctx) -> None:
         ppo = he.PPOConfig(lr=1e-6, clip_low=0.2, clip_high=0.28, micro_batch_tokens=16384)
 
         def step(index: int) -> dict[str, float]:
-            t = {}
-            ctx.sync()
-            t0 = time.perf_counter()
-            rollout = engine.rollout()
-            rollout.__enter__()
-            t["switch_to_generation"] = engine.stats["switch_to_generation_s"]
-            t["rollout_setup"] = time.perf_counter() - t0 - t["switch_to_generation"]
-            try:
-                t1 = time.perf_counter()
-                outs = engine.generate(prompts, params)
-                ctx.sync()
-                t["generate"] = time.perf_counter() - t1
-            finally:
-                t2 = time.perf_counter()
-                rollout.__exit__(None, None, None)
-                ctx.sync()
-                t["switch_to_training"] = time.perf_counter() - t2
-            train_on(ctx, engine, outs, index, w.n, ppo, t)
-            return _phase_max(ctx, t)
+            return engine_step(ctx, engine, prompts, params, ppo, index)
 
         def graphs_case() -> dict:  # rows name the lazy setting (EngineTuning.lazy_cuda_graphs) when on
             lazy = {"lazy_cuda_graphs": True} if engine.config.tuning.lazy_cuda_graphs else {}

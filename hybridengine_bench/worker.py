@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import (e2e, exact, floors, generate, offload, paged_attention, peers, ppo_loss, prefill_attention, requests,
-               sampler, segment_copy, switch, train, trl)
+from . import (e2e, exact, floors, generate, grouped_gemm, moe, offload, paged_attention, peers, ppo_loss,
+               prefill_attention, requests, sampler, segment_copy, switch, train, trl)
 from . import train_step as loss_hook
 from .common import Ctx, Recorder, release_memory
 
@@ -53,6 +53,10 @@ BENCHES = {
     "multi_turn": requests.multi_turn,
     "long_tail": requests.long_tail,
     "request_api": requests.request_api,
+    "grouped_gemm": grouped_gemm.grouped_gemm,
+    "moe_routing": moe.moe_routing,
+    "moe_e2e": moe.moe_e2e,
+    "moe_e2e_fsdp2": moe.moe_e2e_fsdp2,
 }
 FLOORS = ["hbm_copy", "gemm", "all_gather"]
 # Each suite is sized to finish in under 10 minutes on 2 x H200 with one model (pass --model per run for the peers).
@@ -95,8 +99,15 @@ SUITES: dict[str, list[str]] = {
     "multi_turn": ["multi_turn"],
     "long_tail": ["long_tail"],
     "request_api": ["request_api"],
+    # issue 43: the MoE model (default qwen3-moe-7b) on 1 GPU: grouped GEMM vs its floor, routing mismatch in exact
+    # mode, the GRPO step and decode vs the bytes floor, then transformers + FSDP2 (hybridengine_bench/moe.py)
+    "moe": ["hbm_copy", "gemm", "grouped_gemm", "moe_routing", "moe_e2e", "moe_e2e_fsdp2"],
+    "moe_e2e": ["hbm_copy", "moe_e2e", "moe_e2e_fsdp2"],
+    "moe_routing": ["moe_routing"],
+    "grouped_gemm": ["hbm_copy", "gemm", "grouped_gemm"],
 }
 DEFAULT_MODELS = {"smoke": ["tiny-qwen2"],
+                  **{s: ["qwen3-moe-7b"] for s in ("moe", "moe_e2e", "moe_routing", "grouped_gemm")},
                   **{s: ["qwen2-7b"] for s in ("offload", "offload_rollout", "offload_optimizer", "offload_deepspeed",
                                                "offload_zero")}}
 

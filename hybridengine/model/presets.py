@@ -35,6 +35,16 @@ MODEL_CONFIGS: dict[str, dict] = {
         num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, tie_word_embeddings=False,
         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
     ),
+    # A ~7B mixture of experts: the Qwen3-MoE architecture (the MoE family hybridengine implements) at
+    # OLMoE-1B-7B's shapes (64 experts, top-8, 16 layers, its vocabulary): 6.92B parameters, of which a token
+    # reads 1.18B (embedding row aside). Weights and AdamW state fit one 141 GB GPU; Qwen3-30B-A3B's would not.
+    "qwen3-moe-7b": dict(
+        model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=128, intermediate_size=1024, moe_intermediate_size=1024,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, output_router_logits=True,
+        router_aux_loss_coef=0.01, vocab_size=50304, tie_word_embeddings=False, max_position_embeddings=4096,
+        rope_theta=10000.0, rms_norm_eps=1e-5,
+    ),
     # Tiny configs, one per supported family, for CPU tests and the demo. Odd-ish sizes on purpose; 4096
     # positions, so that the default EngineConfig.max_model_len fits them.
     "tiny-llama": dict(
@@ -54,6 +64,13 @@ MODEL_CONFIGS: dict[str, dict] = {
         num_key_value_heads=2, head_dim=24, intermediate_size=96, vocab_size=131,
         tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=1000000.0,
         rms_norm_eps=1e-6,
+    ),
+    "tiny-qwen3-moe": dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, output_router_logits=True, router_aux_loss_coef=0.01,
+        vocab_size=128, tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-5,
     ),
     "tiny-mistral": dict(
         model_type="mistral", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,

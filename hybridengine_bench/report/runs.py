@@ -7,7 +7,8 @@ from .rows import latest, shown_runs
 
 KNOWN_BENCHES = {"hbm_copy", "gemm", "all_gather", "switch", "switch_memory", "switch_batch_sweep", "unit_gather",
                  "generate", "decode_step", "train_step", "segment_copy", "sampler", "paged_attention", "ppo_loss",
-                 "ppo_e2e", "decode_gemm", "prefill_attention", "soak"}
+                 "ppo_e2e", "decode_gemm", "prefill_attention", "soak", "moe_e2e", "moe_decode", "moe_routing",
+                 "grouped_gemm"}
 """Benches with a section of their own; the rest go to "Other benches"."""
 
 
