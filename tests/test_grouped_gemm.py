@@ -525,3 +525,46 @@ def test_grouped_mlp_fp32_out_is_the_sum_before_its_rounding(dtype):
         wide = grouped_mlp(x, gate_up, down, experts, weights, exact=exact, out_dtype=torch.float32)
         assert wide.dtype == torch.float32
         assert torch.equal(wide.to(dtype), grouped_mlp(x, gate_up, down, experts, weights, exact=exact))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_mlp_expert_ranges_add_up_to_the_whole(dtype):
+    """Two expert-parallel ranks, each with half of the experts: their fp32 partials, added, are the whole
+    layer's two-range sum bit for bit in exact mode (the tree `expert_splits=2` fixes), and the reference's
+    result within its own rounding otherwise."""
+    torch.manual_seed(1)
+    E, N, H, inter, k = 6, 9, 16, 5, 3
+    x = torch.randn(N, H, dtype=dtype)
+    gate_up, down = torch.randn(E, 2 * inter, H, dtype=dtype), torch.randn(E, H, inter, dtype=dtype)
+    experts = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
+    experts[0] = torch.tensor([0, 1, 2])  # a token routed to the first rank's experts only
+    weights = torch.rand(N, k)
+    for exact in (True, False):
+        parts = [grouped_mlp(x, gate_up[lo:lo + E // 2], down[lo:lo + E // 2], experts, weights, exact=exact,
+                             out_dtype=torch.float32, first=lo, num_experts=E) for lo in (0, E // 2)]
+        assert torch.equal(parts[1][0], torch.zeros(H))  # no slot of token 0 on the second rank
+        whole = grouped_mlp(x, gate_up, down, experts, weights, exact=exact, out_dtype=torch.float32,
+                            expert_splits=2)
+        ref = grouped_mlp_ref(x.double(), gate_up.double(), down.double(), experts, weights.double())
+        own = (grouped_mlp_ref(x, gate_up, down, experts, weights.to(dtype)).double() - ref).abs().max()
+        bound = own + 64 * torch.finfo(torch.float32).eps * ref.abs().max()
+        if exact:
+            assert torch.equal(parts[0] + parts[1], whole)
+        else:  # torch's GEMMs may round a row differently in a batch of other rows
+            assert ((parts[0] + parts[1]).double() - ref).abs().max() <= bound
+        assert (whole.double() - ref).abs().max() <= bound
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(first=-1), r"first=-1 and num_experts=3 must be ints with 0 <= first and first \+ gate_up.shape\[0\] "
+                     r"\(3\) <= num_experts"),
+    (dict(first=1), r"first=1 and num_experts=3"),
+    (dict(num_experts=2), r"first=0 and num_experts=2"),
+    (dict(expert_splits=0), r"expert_splits must be an int in \[1, num_experts=3\], got int 0"),
+    (dict(expert_splits=4), r"expert_splits must be an int in \[1, num_experts=3\], got int 4"),
+])
+def test_grouped_mlp_bad_expert_range(change, match):
+    args = dict(x=torch.randn(4, 6), gate_up=torch.randn(3, 8, 6), down=torch.randn(3, 6, 4),
+                experts=torch.zeros(4, 2, dtype=torch.long), weights=torch.rand(4, 2))
+    with pytest.raises(ValueError, match=match):
+        grouped_mlp(*args.values(), **change)

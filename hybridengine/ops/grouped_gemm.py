@@ -302,7 +302,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes, *, exact: b
     return _run(x, weight, group_sizes, exact, out_dtype or x.dtype)
 
 
-def _check_mlp(x, gate_up, down, experts, weights, exact) -> None:
+def _check_mlp(x, gate_up, down, experts, weights, exact, out_dtype, first, num_experts, expert_splits) -> None:
     op = "grouped_mlp"
     tensor(op, "x", x, dim=2, dtypes=FLOAT_DTYPES if exact else (*FLOAT_DTYPES, torch.float64))
     num_tokens, hidden = x.shape
@@ -317,18 +317,31 @@ def _check_mlp(x, gate_up, down, experts, weights, exact) -> None:
         raise ValueError(f"{op}: experts must be [N, k] with N = x.shape[0] = {num_tokens} and k >= 1, got shape "
                          f"{tuple(experts.shape)}")
     tensor(op, "weights", weights, shape=tuple(experts.shape), device=x.device, floating=True)
-    # On the CPU the ids are checked; a CUDA tensor's are not (a host sync): an id outside [0, E) there leaves
-    # its token's row out of every expert.
-    if experts.device.type == "cpu" and experts.numel() and (experts.min() < 0 or experts.max() >= E):
-        raise ValueError(f"{op}: experts must be in [0, {E}), got values in "
+    if not (is_int(num_experts) and is_int(first) and 0 <= first and first + E <= num_experts):
+        raise ValueError(f"{op}: first={first!r} and num_experts={num_experts!r} must be ints with 0 <= first and "
+                         f"first + gate_up.shape[0] ({E}) <= num_experts")
+    # On the CPU the ids are checked; a CUDA tensor's are not (a host sync): an id outside [0, num_experts)
+    # there leaves its token's row out of every expert.
+    if experts.device.type == "cpu" and experts.numel() and (experts.min() < 0 or experts.max() >= num_experts):
+        raise ValueError(f"{op}: experts must be in [0, {num_experts}), got values in "
                          f"[{int(experts.min())}, {int(experts.max())}]")
     if not isinstance(exact, bool):
         raise ValueError(f"{op}: exact must be a bool, got {describe(exact)}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"{op}: out_dtype must be None, x's dtype or torch.float32, got {out_dtype}")
+    if not (is_int(expert_splits) and 1 <= expert_splits <= num_experts):
+        raise ValueError(f"{op}: expert_splits must be an int in [1, num_experts={num_experts}], got "
+                         f"{describe(expert_splits)}")
+
+
+def split_bounds(num_experts: int, splits: int) -> list[int]:
+    """The expert ranges [b[s], b[s + 1]) of `grouped_mlp`'s `expert_splits` partial sums."""
+    return [num_experts * s // splits for s in range(splits + 1)]
 
 
 def grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
-                weights: torch.Tensor, silu_mul=None, *, exact: bool = False,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                weights: torch.Tensor, silu_mul=None, *, exact: bool = False, out_dtype: torch.dtype | None = None,
+                first: int = 0, num_experts: int | None = None, expert_splits: int = 1) -> torch.Tensor:
     """`grouped_mlp_ref`'s routed SwiGLU MLP on `grouped_gemm` (same arguments; `exact` as there) -> [N, H].
 
     Rounding: gate/up is rounded to x's dtype (the activation's input, as in the reference); the down
@@ -338,29 +351,53 @@ def grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
     terms before it rounds, as exact mode's shared expert).
     No atomics: the rows go back to token order by the inverse permutation, so the result is the same
     bits on every call, and in exact mode a token's output depends only on the token. The routing runs on
-    the device without a host sync (a sort and a search over the sorted expert ids)."""
-    _check_mlp(x, gate_up, down, experts, weights, exact)
-    if out_dtype not in (None, x.dtype, torch.float32):
-        raise ValueError(f"grouped_mlp: out_dtype must be None, x's dtype or torch.float32, got {out_dtype}")
+    the device without a host sync (a sort and a search over the sorted expert ids).
+
+    Expert parallelism: gate_up/down may hold only the experts [first, first + E') of the router's
+    `num_experts` (default E'): experts stays over all of them, and a token's slots routed elsewhere add zero
+    (the partial that the expert-parallel all-reduce sums). Running only the own experts' rows reads their
+    count on the host (one sync per call). `expert_splits` = S > 1: the slot-order sum runs per range of
+    `split_bounds(num_experts, S)` (a slot outside the range adds zero) and the S partials are added in range
+    order: the sum's tree when S ranks each hold one range, on a single device too."""
+    num_experts = gate_up.shape[0] if num_experts is None else num_experts
+    _check_mlp(x, gate_up, down, experts, weights, exact, out_dtype, first, num_experts, expert_splits)
     num_tokens, top_k = experts.shape
-    E, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    E, inter, hidden = gate_up.shape[0], gate_up.shape[1] // 2, x.shape[1]
     flat = experts.reshape(-1)
+    partial = first != 0 or E != num_experts
+    if partial:  # the other ranks' experts sort last, as one more group that no GEMM runs
+        local = flat - first
+        flat = torch.where((local >= 0) & (local < E), local, E)
     order = torch.argsort(flat, stable=True)
     bounds = torch.searchsorted(flat[order], torch.arange(E + 1, device=flat.device))
     sizes = bounds.diff()
     # Repeat each token k times, then sort: the gather's backward is a permutation (exact) plus a sum over k.
-    rows = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x.shape[1])[order]
+    rows = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, hidden)[order]
+    if partial:
+        rows = rows[:int(bounds[-1])]
     gu = _run(rows, gate_up, sizes, exact, x.dtype)
     gate, up = gu[:, :inter], gu[:, inter:]
     act = silu_mul(gate, up) if silu_mul is not None else torch.nn.functional.silu(gate) * up
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = _run(act.contiguous(), down, sizes, exact, acc)
+    if partial:
+        y = torch.cat([y, y.new_zeros(order.numel() - y.shape[0], hidden)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    y = y[inverse].view(num_tokens, top_k, x.shape[1]) * weights.to(acc).unsqueeze(-1)
-    out = y[:, 0]
-    for j in range(1, top_k):
-        out = out + y[:, j]
+    y = y[inverse].view(num_tokens, top_k, hidden) * weights.to(acc).unsqueeze(-1)
+    if expert_splits == 1:
+        out = y[:, 0]
+        for j in range(1, top_k):
+            out = out + y[:, j]
+        return out.to(out_dtype or x.dtype)
+    inner = torch.tensor(split_bounds(num_experts, expert_splits)[1:-1], device=experts.device)
+    split = torch.bucketize(experts, inner, right=True).unsqueeze(-1)  # [N, k, 1]: each slot's range
+    out = None
+    for s in range(expert_splits):
+        part = torch.where(split[:, 0] == s, y[:, 0], 0.0)
+        for j in range(1, top_k):
+            part = part + torch.where(split[:, j] == s, y[:, j], 0.0)
+        out = part if out is None else out + part
     return out.to(out_dtype or x.dtype)
 
 

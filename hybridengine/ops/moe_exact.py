@@ -14,9 +14,12 @@ The rule (what the rollout and the trainer both compute, for each token):
 4. Each expert's rows: gate/up by `linear_exact` rounded to the model dtype, the caller's SiLU * up, down by
    `linear_exact` to its unrounded fp32 sum (one K range: expert parallelism keeps experts whole, so no rank
    holds part of an expert's K).
-5. Combination: sum over slots in slot order of weight * expert output in fp32 (w0 * y0 + w1 * y1, then + w2 *
-   y2, ...), no atomics; the caller adds further fp32 terms (the shared expert) and rounds once to the model
-   dtype (round to nearest even).
+5. Combination: the experts in `EXACT_EXPERT_SPLITS` consecutive ranges (halves); per range, the sum over slots in
+   slot order of weight * expert output in fp32 (w0 * y0 + w1 * y1, then + w2 * y2, ...; a slot routed to the
+   other range adds zero), no atomics; the ranges' partials added in order. That is the sum's tree when each
+   of two expert-parallel ranks holds one range (tp_generation = 2), so the single device computes it alike.
+   The caller adds further fp32 terms (the shared expert) and rounds once to the model dtype (round to
+   nearest even).
 
 Layers: `exact_routing` and `exact_experts` (differentiable: training runs it too; steps 4-5 run as
 `ops.grouped_gemm.grouped_mlp(exact=True)`), `exact_experts_ref` (float64 math: the value the path
@@ -29,6 +32,10 @@ import torch
 
 from hybridengine.checks import FLOAT_DTYPES, tensor
 from hybridengine.ops.grouped_gemm import grouped_mlp
+
+EXACT_EXPERT_SPLITS = 2
+"""Step 5's expert ranges: the expert-parallel degree exact mode supports (tp_generation 1 or 2, as the dense
+row-parallel projections' `EXACT_ROW_SPLITS`)."""
 
 LANE_PAD = 64
 """`sigmoid_exact` pads its flat run to a multiple of this (as `silu_mul.silu_mul_torch`): no element falls in
@@ -48,13 +55,19 @@ def exact_routing(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
 
 
 def exact_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
-                  weights: torch.Tensor, silu_mul=None) -> torch.Tensor:
+                  weights: torch.Tensor, silu_mul=None, *, first: int = 0,
+                  num_experts: int | None = None) -> torch.Tensor:
     """The routed experts' SwiGLU MLP by steps 4-5 of the module's rule: x [N, H] (model dtype), gate_up
     [E, 2I, H], down [E, H, I], experts int64 [N, k], weights fp32 [N, k] -> the unrounded fp32 sum [N, H].
     `silu_mul(gate, up)`: the activation (default silu(gate) * up in the model dtype). `ops.grouped_gemm`'s
     `grouped_mlp` keeps these steps: its exact GEMMs are batch-invariant (Triton on CUDA, `linear_exact` per
-    expert elsewhere) and it adds the slots in order."""
-    return grouped_mlp(x, gate_up, down, experts, weights, silu_mul, exact=True, out_dtype=torch.float32)
+    expert elsewhere) and it adds the slots in order. `first`/`num_experts`: gate_up and down hold the experts
+    [first, first + E') of num_experts (an expert-parallel rank's range: its one partial, `grouped_mlp`'s)."""
+    num_experts = gate_up.shape[0] if num_experts is None else num_experts
+    whole = first == 0 and gate_up.shape[0] == num_experts
+    splits = min(EXACT_EXPERT_SPLITS, num_experts) if whole else 1
+    return grouped_mlp(x, gate_up, down, experts, weights, silu_mul, exact=True, out_dtype=torch.float32,
+                       first=first, num_experts=num_experts, expert_splits=splits)
 
 
 def exact_experts_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
