@@ -1,0 +1,205 @@
+"""Expert-parallel generation of mixture-of-experts models over gloo: N = 2 and 4 ranks, tg in {2, 4}.
+
+TP rank t holds the whole experts [t * E / tg, (t + 1) * E / tg) and runs only the tokens' assignments to them;
+an all-reduce sums the ranks' parts. Greedy tokens equal one process's (tg = 1) and log-probs agree within the
+fp32 rounding of a reordered sum; in exact mode at tg = 2 they are equal bit for bit, and equal the trainer's.
+The switch to generation and back keeps every expert weight bit for bit."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import hybridengine as he
+from _dist import reporting, spawn
+from hybridengine.model.moe import Experts, expert_partial
+from hybridengine.model.tensor_parallel import local_config
+from hybridengine.ops.grouped_gemm import grouped_mlp_ref
+
+SHAPES = dict(vocab_size=67, hidden_size=64, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_experts=4, num_experts_per_tok=2,
+              max_position_embeddings=64)
+PROMPT_LENS = [3, 9, 17, 6]
+MAX_TOKENS = 6
+
+
+def build(kind: str, **overrides):
+    """A random tiny Qwen3-MoE, or Qwen2-MoE with a shared expert and a dense layer (mlp_only_layers)."""
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**SHAPES, "norm_topk_prob": True, **overrides}))
+    else:
+        hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**SHAPES, "shared_expert_intermediate_size": 20,
+                                                   "mlp_only_layers": [1], **overrides}))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    return hf.eval()
+
+
+def engine_for(hf, tp, exact=False):
+    return he.HybridEngine(hf, he.EngineConfig(dtype=torch.float32, device="cpu", tp_generation=tp, block_size=4,
+                                               max_model_len=48, max_num_seqs=8, max_num_batched_tokens=64,
+                                               exact_logprobs=exact, tuning=he.EngineTuning(sampler="torch")))
+
+
+def prompts(vocab):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def generate(engine, params):
+    """[(prompt, token ids, log-probs)] of every completion."""
+    with engine.rollout():
+        outs = engine.generate(prompts(SHAPES["vocab_size"]), params)
+    return [(o.prompt_token_ids, c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+GREEDY = he.SamplingParams(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+SAMPLED = he.SamplingParams(n=2, temperature=0.8, max_tokens=MAX_TOKENS, seed=5)
+
+
+# -- the partial sums, on one process -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_experts,slices,top_k", [(4, 2, 2), (4, 4, 1), (6, 3, 3), (2, 2, 2)])
+def test_expert_partials_sum_to_the_routed_mlp(num_experts, slices, top_k):
+    """The slices' `expert_partial`s add up to `grouped_mlp_ref` (fp64: to rounding); every slice alone covers
+    exactly the assignments to its experts; one slice of every expert is `grouped_mlp_ref` bit for bit."""
+    g = torch.Generator().manual_seed(num_experts * 10 + slices)
+    N, H, inter = 11, 6, 5
+    x = torch.randn(N, H, generator=g, dtype=torch.float64)
+    gate_up = torch.randn(num_experts, 2 * inter, H, generator=g, dtype=torch.float64)
+    down = torch.randn(num_experts, H, inter, generator=g, dtype=torch.float64)
+    experts = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(N)])
+    weights = torch.rand(N, top_k, generator=g, dtype=torch.float64)
+    ref = grouped_mlp_ref(x, gate_up, down, experts, weights)
+    m = num_experts // slices
+    parts = [expert_partial(x, gate_up[t * m:(t + 1) * m], down[t * m:(t + 1) * m], experts, weights, first=t * m)
+             for t in range(slices)]
+    torch.testing.assert_close(sum(parts), ref, rtol=0, atol=1e-12)
+    for t, part in enumerate(parts):  # a token none of whose experts is in the slice gets exact zeros
+        none = ~((experts >= t * m) & (experts < (t + 1) * m)).any(dim=1)
+        assert torch.equal(part[none], torch.zeros_like(part[none]))
+    assert torch.equal(expert_partial(x, gate_up, down, experts, weights), ref)
+
+
+def test_exact_experts_add_two_fp32_halves_once():
+    """Exact mode on one process: the fp32 partials of the two halves of the experts, added once and rounded
+    once: what the two ranks of tg = 2 compute and all-reduce."""
+    g = torch.Generator().manual_seed(2)
+    N, H, inter, E, k = 7, 8, 4, 4, 2
+    x = torch.randn(N, H, generator=g).to(torch.bfloat16)
+    module = Experts(E, H, inter)
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * inter, H, generator=g).to(torch.bfloat16))
+    module.down_proj = torch.nn.Parameter(torch.randn(E, H, inter, generator=g).to(torch.bfloat16))
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g).to(torch.bfloat16)
+    halves = [expert_partial(x, module.gate_up_proj[s:s + 2], module.down_proj[s:s + 2], experts, weights, first=s,
+                             exact=True) for s in (0, 2)]
+    assert halves[0].dtype == torch.float32
+    got = module(x, experts, weights, exact=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, (halves[0] + halves[1]).to(torch.bfloat16))
+    # batch-invariant: a row's bits do not depend on the other rows
+    assert torch.equal(module(x[2:3], experts[2:3], weights[2:3], exact=True), got[2:3])
+
+
+# -- bad splits --------------------------------------------------------------------------------------------------
+
+
+def test_bad_expert_splits_raise():
+    config = he.ModelConfig.from_hf(build("qwen3_moe", num_experts=6).config)
+    with pytest.raises(ValueError, match=r"tp_size=4 \(tp_generation\) must divide num_experts=6"):
+        local_config(config, 4)
+    local = local_config(config, 2)
+    assert (local.num_experts, local.expert_slices, local.num_local_experts) == (6, 2, 3)
+    with pytest.raises(ValueError, match="config must be a whole model's"):
+        local_config(local, 2)
+    shared = he.ModelConfig.from_hf(build("qwen2_moe", shared_expert_intermediate_size=10).config)
+    with pytest.raises(ValueError, match="must divide num_experts=4 .* and shared_expert_intermediate_size=10"):
+        local_config(shared, 4)
+    with pytest.raises(ValueError, match="expert_slices=4 must divide num_experts=6"):
+        he.ModelConfig.from_hf(build("qwen3_moe", num_experts=6).config).__class__(
+            **{**_fields(config), "expert_slices": 4})
+    with pytest.raises(ValueError, match="expert_slices must be an int >= 1, got 0"):
+        config.__class__(**{**_fields(config), "expert_slices": 0})
+    with pytest.raises(ValueError, match="expert_slices=2 must divide num_experts=0"):
+        he.ModelConfig(**{**_fields(config), "num_experts": 0, "num_experts_per_tok": 0, "expert_slices": 2})
+
+
+def _fields(config):
+    return {f: getattr(config, f) for f in config.__dataclass_fields__}
+
+
+def _bad_split_worker(rank, world, init_file, errors):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    with reporting(errors, f"rank {rank}"):
+        with pytest.raises(ValueError, match=r"its 5 experts must divide into tp_size=2 slices of whole experts"):
+            engine_for(build("qwen3_moe", num_experts=5), 2)
+
+
+def test_an_engine_with_experts_tg_does_not_divide_raises():
+    spawn(_bad_split_worker, 2)
+
+
+# -- generation over gloo ----------------------------------------------------------------------------------------
+
+
+def _gen_worker(rank, world, init_file, kind, overrides, tp, expected, errors):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    with reporting(errors, f"rank {rank}"):
+        engine = engine_for(build(kind, **overrides), tp)
+        before = {n: t.clone() for n, t in engine.state_dict()}
+        t, m = engine.sharded.tp_rank, SHAPES["num_experts"] // tp
+        with engine.rollout():  # this rank's generation view holds its own whole experts
+            for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
+                owner, attr = name.rsplit(".", 1)
+                held = getattr(engine.model.get_submodule(owner), attr)
+                assert torch.equal(held, before[name][t * m:(t + 1) * m]), name
+        for _ in range(2):  # two rollouts: the switch there and back twice
+            got = generate(engine, GREEDY)
+            assert [c[1] for c in got] == [c[1] for c in expected], "greedy tokens differ from tg = 1"
+            for (_, _, lp), (_, _, ref) in zip(got, expected):
+                torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref), rtol=0, atol=LOGPROB_ATOL)
+        after = dict(engine.state_dict())
+        assert after.keys() == before.keys()
+        for name, value in before.items():
+            assert torch.equal(after[name], value), f"{name} changed over the switch"
+
+
+LOGPROB_ATOL = 64 * torch.finfo(torch.float32).eps
+"""fp32 log-probs of tg > 1 against tg = 1: the same arithmetic but for the order of a few sums (each partial
+rounded once more before the all-reduce adds it), through 3 layers and a log-softmax over 67 logits of O(10)."""
+
+
+@pytest.mark.parametrize("kind,overrides,world,tp", [
+    ("qwen3_moe", {}, 2, 2),
+    ("qwen2_moe", {}, 4, 2),
+    ("qwen3_moe", {}, 4, 4),
+    ("qwen2_moe", {}, 4, 4),
+])
+def test_expert_parallel_generation_equals_one_process(kind, overrides, world, tp):
+    expected = generate(engine_for(build(kind, **overrides), 1), GREEDY)
+    spawn(_gen_worker, world, kind, overrides, tp, expected)
+
+
+def _exact_worker(rank, world, init_file, kind, expected, errors):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    with reporting(errors, f"rank {rank}"):
+        engine = engine_for(build(kind), 2, exact=True)
+        got = generate(engine, SAMPLED)
+        assert got == expected, "exact mode at tg = 2: tokens or log-probs differ from one process's bits"
+        batch = he.PPOBatch(input_ids=[torch.tensor(p + c) for p, c, _ in got])
+        logp = engine.trainer.log_probs(batch, temperature=SAMPLED.temperature, micro_batch_tokens=24)
+        for b, (p, c, lp) in enumerate(got):
+            trained = logp[b, len(p) - 1:len(p) - 1 + len(c)]
+            assert torch.equal(trained, torch.tensor(lp, dtype=torch.float32)), "trainer log-probs differ"
+
+
+@pytest.mark.parametrize("kind,world", [("qwen3_moe", 2), ("qwen2_moe", 4)])
+def test_exact_expert_parallel_generation_is_bitwise(kind, world):
+    """exact_logprobs at tg = 2: each rank's fp32 partial over its half of the experts, all-reduced and rounded
+    once, is the single process's sum of the same two halves: the same bits, sampled tokens and log-probs; and
+    the trainer's log-probs equal the rollout's."""
+    expected = generate(engine_for(build(kind), 1, exact=True), SAMPLED)
+    spawn(_exact_worker, world, kind, expected)
