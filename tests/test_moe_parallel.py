@@ -15,6 +15,7 @@ from _dist import reporting, spawn
 from hybridengine.model.moe import Experts, expert_partial
 from hybridengine.model.tensor_parallel import local_config
 from hybridengine.ops.grouped_gemm import grouped_mlp_ref
+from hybridengine.train.expert_parallel import ExpertParallelTraining
 
 SHAPES = dict(vocab_size=67, hidden_size=64, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_experts=4, num_experts_per_tok=2,
@@ -203,3 +204,75 @@ def test_exact_expert_parallel_generation_is_bitwise(kind, world):
     the trainer's log-probs equal the rollout's."""
     expected = generate(engine_for(build(kind), 1, exact=True), SAMPLED)
     spawn(_exact_worker, world, kind, expected)
+
+
+# -- expert-parallel training over gloo --------------------------------------------------------------------------
+
+
+def _nll(logp, entropy, fields):
+    return -(logp * fields["mask"]).sum() / fields["mask"].sum()
+
+
+def _train_batch(rank):
+    """Each rank's own sequences (data parallel)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    seqs = [torch.randint(0, SHAPES["vocab_size"], (int(n),), generator=g) for n in torch.randint(5, 14, (3,),
+                                                                                                 generator=g)]
+    n = [len(s) - 1 for s in seqs]
+    return he.PPOBatch(input_ids=seqs, response_mask=[torch.ones(k) for k in n],
+                       old_logprobs=[torch.zeros(k) for k in n], advantages=[torch.ones(k) for k in n])
+
+
+def _train_engine(hf, tp, ep, exact=False):
+    return he.HybridEngine(hf, he.EngineConfig(
+        dtype=torch.float32, device="cpu", tp_generation=tp, max_model_len=32, max_num_seqs=2, keep_grads=True,
+        exact_logprobs=exact, tuning=he.EngineTuning(sampler="torch", expert_parallel_training=ep)))
+
+
+def _close(got, ref, what, k=64):
+    """|got - ref| <= k fp32 ulps of ref's scale: the engines differ only in how the experts' GEMMs group rows."""
+    bound = k * torch.finfo(torch.float32).eps * max(ref.abs().max().item(), 1.0)
+    err = (got - ref).abs().max().item()
+    assert err <= bound, f"{what}: |difference| {err:.3g} > {bound:.3g}"
+
+
+def _ep_train_worker(rank, world, init_file, kind, tp, checkpointing, errors):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    with reporting(errors, f"rank {rank}"):
+        hf = build(kind, router_aux_loss_coef=0.05, output_router_logits=True)
+        base, ep = _train_engine(hf, tp, False), _train_engine(hf, tp, True)
+        cfg = he.TrainConfig(lr=1e-2, max_grad_norm=None, micro_batch_tokens=24,
+                             activation_checkpointing=checkpointing)
+        stats = [e.train_step(_train_batch(rank), _nll, cfg) for e in (base, ep)]
+        assert stats[1]["aux_loss"] > 0
+        moe_layers = [layer.mlp.experts for layer in ep.trainer.model.skeleton.model.layers
+                      if hasattr(layer.mlp, "experts")]
+        assert moe_layers and all(isinstance(m, ExpertParallelTraining) for m in moe_layers)
+        assert [m.first for m in moe_layers[:1]] == [ep.sharded.tp_rank * SHAPES["num_experts"] // tp]
+        for key in ("loss", "aux_loss"):
+            _close(torch.tensor(stats[1][key]), torch.tensor(stats[0][key]), key)
+        for u, (g_ep, g_base) in enumerate(zip(ep.trainer.grads, base.trainer.grads)):
+            _close(g_ep, g_base, f"gradient shard of unit {base.sharded.layout.units[u].name}")
+        # AdamW's first step moves a weight by lr * g / (|g| + eps) (at most lr): where |g| is near eps, an ulp
+        # of gradient moves it by up to lr. So the weights agree up to the difference of the two updates, plus
+        # the rounding of w - update, a few ulps of the operands' scale |w| + lr.
+        layout, data = base.sharded.layout, (base.sharded.flat_buffer.data, ep.sharded.flat_buffer.data)
+        for u, (off, numel) in enumerate(layout.shard_in_gen(rank)):
+            g0, g1 = base.trainer.grads[u], ep.trainer.grads[u]
+            w0, w1 = (d[off:off + numel] for d in data)
+            moved = cfg.lr * (g1 / (g1.abs() + cfg.eps) - g0 / (g0.abs() + cfg.eps)).abs()
+            rounding = 4 * torch.finfo(torch.float32).eps * (w0.abs() + cfg.lr)
+            assert ((w1 - w0).abs() <= moved + rounding).all(), (
+                f"unit {layout.units[u].name}: weights after one step differ by more than the updates do")
+
+
+@pytest.mark.parametrize("kind,world,tp,checkpointing", [
+    ("qwen3_moe", 2, 2, True),
+    ("qwen2_moe", 4, 2, False),
+    ("qwen3_moe", 4, 4, True),
+])
+def test_expert_parallel_training_equals_the_gathered_experts(kind, world, tp, checkpointing):
+    """EngineTuning.expert_parallel_training: each rank's tokens go to the experts' owners (all-to-all over the
+    TP group) and back; loss, load-balancing loss, every gradient shard and the weights after one AdamW step
+    equal those of every rank running every expert, up to the rounding of differently grouped GEMM rows."""
+    spawn(_ep_train_worker, world, kind, tp, checkpointing)

@@ -61,6 +61,31 @@ def _grouped_exact(x: torch.Tensor, weight: torch.Tensor, group_sizes: list[int]
     return torch.cat(outs)
 
 
+def expert_outputs(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, group_sizes: list[int],
+                   activation=None, exact: bool = False) -> torch.Tensor:
+    """The SwiGLU MLP of each expert on its rows: rows [M, H] grouped by expert (group_sizes[e] rows of expert
+    e, in order), gate_up [E', 2I, H], down [E', H, I] -> [M, H], unweighted. Exact: the GEMMs as
+    `linear_exact`. `activation(gate, up)`: the SiLU * up (default torch's)."""
+    inter = gate_up.shape[1] // 2
+    gemm = _grouped_exact if exact else grouped_gemm_ref
+    gu = gemm(rows, gate_up, group_sizes)
+    gate, up = gu[:, :inter], gu[:, inter:]
+    act = activation(gate, up) if activation is not None else torch.nn.functional.silu(gate) * up
+    return gemm(act, down, group_sizes)
+
+
+def slot_sum_fp32(values: torch.Tensor, order: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """Exact mode's combine: values [M, H] of the assignments `order` (flat index token * k + slot) -> [N, H]
+    fp32, each token's assignments added in slot order (an absent slot adds a zero): a fixed order on every
+    device, where an index_add_ of floats is atomic on CUDA."""
+    slots = torch.zeros(num_tokens * top_k, values.shape[1], dtype=torch.float32, device=values.device)
+    slots = slots.index_copy(0, order, values.float()).view(num_tokens, top_k, -1)
+    out = slots[:, 0]
+    for j in range(1, top_k):
+        out = out + slots[:, j]
+    return out
+
+
 def expert_partial(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
                    weights: torch.Tensor, *, first: int = 0, activation=None, exact: bool = False) -> torch.Tensor:
     """The routed SwiGLU MLP over the experts [first, first + gate_up.shape[0]) only: x [N, H], their stacked
@@ -70,26 +95,14 @@ def expert_partial(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e
 
     Not exact: in x's dtype, assignments added in expert order (with every expert, `grouped_mlp_ref`'s bits).
     Exact: the GEMMs as `linear_exact`, each assignment's output times its weight in fp32, and a token's
-    assignments added in fp32 in slot order: the unrounded fp32 partial (the caller adds the partials and
-    rounds once). `activation(gate, up)`: the SiLU * up (default torch's)."""
-    num_local, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    routing = local_routing(experts, first, num_local)
-    gemm = _grouped_exact if exact else grouped_gemm_ref
-    rows = x[routing.tokens]
-    gu = gemm(rows, gate_up, routing.group_sizes)
-    gate, up = gu[:, :inter], gu[:, inter:]
-    act = activation(gate, up) if activation is not None else torch.nn.functional.silu(gate) * up
-    y = gemm(act, down, routing.group_sizes)
+    assignments added in fp32 in slot order (`slot_sum_fp32`): the unrounded fp32 partial (the caller adds the
+    partials and rounds once)."""
+    routing = local_routing(experts, first, gate_up.shape[0])
+    y = expert_outputs(x[routing.tokens], gate_up, down, routing.group_sizes, activation, exact)
     w = weights.reshape(-1)[routing.order].unsqueeze(1)
     if not exact:
         return torch.zeros_like(x).index_add_(0, routing.tokens, y * w)
-    N, k = experts.shape
-    slots = torch.zeros(N * k, x.shape[1], dtype=torch.float32, device=x.device)
-    slots = slots.index_copy(0, routing.order, y.float() * w.float()).view(N, k, -1)
-    out = slots[:, 0]
-    for j in range(1, k):  # a fixed order, on every device (an index_add_ of floats is atomic on CUDA)
-        out = out + slots[:, j]
-    return out
+    return slot_sum_fp32(y.float() * w.float(), routing.order, *experts.shape)
 
 
 def exact_split_bounds(num_experts: int) -> list[int]:
