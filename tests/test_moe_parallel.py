@@ -276,3 +276,38 @@ def test_expert_parallel_training_equals_the_gathered_experts(kind, world, tp, c
     TP group) and back; loss, load-balancing loss, every gradient shard and the weights after one AdamW step
     equal those of every rank running every expert, up to the rounding of differently grouped GEMM rows."""
     spawn(_ep_train_worker, world, kind, tp, checkpointing)
+
+
+def _ep_exact_worker(rank, world, init_file, kind, errors):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    with reporting(errors, f"rank {rank}"):
+        engine = _train_engine(build(kind), 2, True, exact=True)
+        seqs = generate(engine, SAMPLED)
+        batch = he.PPOBatch(input_ids=[torch.tensor(p + c) for p, c, _ in seqs])
+        logp = engine.trainer.log_probs(batch, temperature=SAMPLED.temperature, micro_batch_tokens=24)
+        assert isinstance(engine.trainer.model.skeleton.model.layers[0].mlp.experts, ExpertParallelTraining)
+        for b, (p, c, lp) in enumerate(seqs):
+            trained = logp[b, len(p) - 1:len(p) - 1 + len(c)]
+            assert torch.equal(trained, torch.tensor(lp, dtype=torch.float32)), "trainer log-probs differ"
+
+
+@pytest.mark.parametrize("kind,world", [("qwen2_moe", 2)])
+def test_exact_expert_parallel_training_scores_the_rollouts_bits(kind, world):
+    """exact_logprobs with expert-parallel training: the owners' outputs, sent back and added as the two fp32
+    halves, give the trainer the rollout's log-probs bit for bit."""
+    spawn(_ep_exact_worker, world, kind)
+
+
+def test_expert_parallel_training_errors():
+    config = he.ModelConfig.from_hf(build("qwen3_moe", num_experts=6).config)
+    from hybridengine.model.decoder import CausalLM
+    from hybridengine.train.expert_parallel import apply_expert_parallel
+
+    skeleton = CausalLM(config, device="meta")
+    with pytest.raises(ValueError, match=r"EP group's 4 ranks \(tp_generation\) must divide num_experts=6"):
+        apply_expert_parallel(skeleton, None, 0, 4)
+    assert apply_expert_parallel(skeleton, None, 1, 1) == 0  # one rank: nothing to change
+    assert apply_expert_parallel(skeleton, None, 1, 2) == config.num_hidden_layers
+    assert skeleton.model.layers[0].mlp.experts.first == 3
+    with pytest.raises(ValueError, match="EngineTuning.expert_parallel_training must be a bool, got"):
+        he.EngineTuning(expert_parallel_training=1)
