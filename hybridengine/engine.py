@@ -37,7 +37,7 @@ from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.rollout.tp_group import TPGroup
 from hybridengine.sharding.switch import ShardedBuffer
-from hybridengine.train.expert_parallel import apply_expert_parallel
+from hybridengine.train import expert_parallel
 from hybridengine.train.offload_policy import OffloadPolicy
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -308,8 +308,7 @@ class HybridEngine:
                                      exact=self.config.exact_logprobs, offload=self.config.offload,
                                      offload_host_limit_bytes=None if limit is None else int(limit * 2**30))
             if self.config.tuning.expert_parallel_training:  # the experts run on their owners (EP group = TP group)
-                apply_expert_parallel(self._training.model.skeleton, self.sharded.tp_group, self.sharded.tp_rank,
-                                      self.config.tp_generation)
+                expert_parallel.enable(self._training, self.sharded)
         self._offload.bring_back(stepping=cfg is not None)
         return self._training
 

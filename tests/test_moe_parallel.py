@@ -249,6 +249,15 @@ def _ep_train_worker(rank, world, init_file, kind, tp, checkpointing, errors):
                       if hasattr(layer.mlp, "experts")]
         assert moe_layers and all(isinstance(m, ExpertParallelTraining) for m in moe_layers)
         assert [m.first for m in moe_layers[:1]] == [ep.sharded.tp_rank * SHAPES["num_experts"] // tp]
+        # the trainer's gather of a layer brings this rank's own experts only (the others zero), every other
+        # parameter whole; a plain gather (state_dict, checkpoints) still brings everything
+        sb, name = ep.sharded, "model.layers.0.mlp.experts.gate_up_proj"
+        u = sb.layout.unit_index["layers.0"]
+        own, whole = (sb.natural_view(sb.gather_unit(u, own_experts=flag), name) for flag in (True, False))
+        lo, hi = moe_layers[0].first, moe_layers[0].first + moe_layers[0].num_local
+        assert torch.equal(own[lo:hi], whole[lo:hi]) and not own[:lo].any() and not own[hi:].any()
+        router = "model.layers.0.mlp.gate.weight"
+        assert torch.equal(*(sb.natural_view(sb.gather_unit(u, own_experts=f), router) for f in (True, False)))
         for key in ("loss", "aux_loss"):
             _close(torch.tensor(stats[1][key]), torch.tensor(stats[0][key]), key)
         for u, (g_ep, g_base) in enumerate(zip(ep.trainer.grads, base.trainer.grads)):

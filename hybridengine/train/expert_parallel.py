@@ -11,11 +11,12 @@ rank weights and adds them as `grouped_mlp_ref` does (exact mode: the fp32 halve
 are the rollout's). The all-to-alls are differentiable (`AllToAll`): the backward sends the output gradients
 to the owners and the input gradients back.
 
-`apply_expert_parallel` installs `ExpertParallelTraining` in the trainer's module skeleton from outside, as
-`tensor_parallel.parallelize` does for generation. The weights still reach the layer as the whole unit's
-all-gather (docs/moe.md says what gathering only the own experts needs): the module reads the owner's
-slice of the full stacked parameter, so the gradient of every other expert is zero on this rank and the
-unit's reduce-scatter adds the owners' gradients into the right shards.
+`enable` applies it from outside, as `tensor_parallel.parallelize` does for generation: it installs
+`ExpertParallelTraining` in the trainer's module skeleton (`apply_expert_parallel`) and `ExpertComm` in the
+ShardedBuffer, so that a layer's gather brings this rank's own experts only (the slice-major layout keeps
+them in slice t, spread over the micro-DP group's shards) and the experts' gradients are reduced among their
+owners (sharding/expert_comm.py). The module reads its experts' slice of the stacked parameter: the gradient
+of every other expert is zero on this rank.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridengine.model.moe import Experts, SparseMoeBlock, exact_split_bounds, expert_outputs, slot_sum_fp32
+from hybridengine.sharding.expert_comm import ExpertComm
 
 
 class AllToAll(torch.autograd.Function):
@@ -107,3 +109,12 @@ def apply_expert_parallel(skeleton: nn.Module, group, ep_rank: int, ep_size: int
             layer.mlp.experts = ExpertParallelTraining(layer.mlp.experts, group, ep_rank, ep_size)
             changed += 1
     return changed
+
+
+def enable(trainer, sharded) -> None:
+    """Expert-parallel training for `trainer` (a `train.trainer.Trainer`) over `sharded` (its ShardedBuffer):
+    the EP module in every MoE layer of its skeleton, the two-step gather and reduce of those layers' units.
+    A model without experts, or tg = 1, is left as it is."""
+    tg = sharded.layout.tp_size
+    if apply_expert_parallel(trainer.model.skeleton, sharded.tp_group, sharded.tp_rank, tg):
+        sharded.expert_comm = ExpertComm(sharded)
