@@ -138,8 +138,9 @@ class EngineConfig:
     {1, 2}. Every projection runs `ops.linear_exact` (a GEMM whose per-element bits do not depend on the
     batch), attention the exact ops (`ops.exact_attention`: fixed KV tiles in a fixed order, the same in
     training, prefill and decode), the row-parallel projections sum two fp32 halves (the TP all-reduce's
-    tree at tg = 2), and the LM head's log-probs are one row-wise reduction shared by the sampler and the
-    trainer (`ops.ppo_loss.chosen_logprobs`). Greedy generation is then batch-invariant. Needs
+    tree at tg = 2), an MoE layer's routed experts sum two fp32 partials over the halves of the experts (the
+    expert-parallel all-reduce's tree at tg = 2), and the LM head's log-probs are one row-wise reduction shared by
+    the sampler and the trainer (`ops.ppo_loss.chosen_logprobs`). Greedy generation is then batch-invariant. Needs
     fused_training on CUDA (the rollout's elementwise kernels) and tp_generation <= 2."""
     offload: str = "none"
     """Where AdamW's state (fp32 moments, fp32 masters or the split masters' low halves: 10-12 bytes a
