@@ -59,13 +59,20 @@ class EngineTuning:
     batch composition and preemption in both), not across them. Greedy rows give the same tokens in
     both."""
 
+    expert_parallel_training: bool = False
+    """Mixture of experts at tp_generation > 1: training runs each routed expert on the rank that owns it (the
+    EP group is the TP group; tokens go to the owners and back by all-to-all, `train.expert_parallel`) instead
+    of every rank running every expert on its own tokens. The same loss and gradients up to the rounding of
+    the experts' GEMMs over other row groupings (exact mode: the same bits). The weights still arrive as the
+    whole layer's all-gather (docs/moe.md)."""
+
     def __post_init__(self):
         op = "EngineTuning"
         if self.tp_all_reduce not in TP_ALL_REDUCE:
             raise ValueError(f"{op}.tp_all_reduce must be one of {TP_ALL_REDUCE}, got {self.tp_all_reduce!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"{op}.sampler must be 'auto', 'fused' or 'torch', got {self.sampler!r}")
-        for name in ("lazy_cuda_graphs", "async_scheduling", "fused_training"):
+        for name in ("lazy_cuda_graphs", "async_scheduling", "fused_training", "expert_parallel_training"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{op}.{name} must be a bool, got {checks.describe(getattr(self, name))}")
         if self.expandable_segments is not None and not isinstance(self.expandable_segments, bool):
@@ -131,8 +138,9 @@ class EngineConfig:
     {1, 2}. Every projection runs `ops.linear_exact` (a GEMM whose per-element bits do not depend on the
     batch), attention the exact ops (`ops.exact_attention`: fixed KV tiles in a fixed order, the same in
     training, prefill and decode), the row-parallel projections sum two fp32 halves (the TP all-reduce's
-    tree at tg = 2), and the LM head's log-probs are one row-wise reduction shared by the sampler and the
-    trainer (`ops.ppo_loss.chosen_logprobs`). Greedy generation is then batch-invariant. Needs
+    tree at tg = 2), an MoE layer's routed experts sum two fp32 partials over the halves of the experts (the
+    expert-parallel all-reduce's tree at tg = 2), and the LM head's log-probs are one row-wise reduction shared by
+    the sampler and the trainer (`ops.ppo_loss.chosen_logprobs`). Greedy generation is then batch-invariant. Needs
     fused_training on CUDA (the rollout's elementwise kernels) and tp_generation <= 2."""
     return_routed_experts: bool = False
     """Mixture-of-experts models: every finished sample's `CompletionOutput.routed_experts` holds the experts

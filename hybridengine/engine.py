@@ -37,6 +37,7 @@ from hybridengine.rollout.sampler import Sampler
 from hybridengine.rollout.sampling_params import SamplingParams
 from hybridengine.rollout.tp_group import TPGroup
 from hybridengine.sharding.switch import ShardedBuffer
+from hybridengine.train import expert_parallel
 from hybridengine.train.offload_policy import OffloadPolicy
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -310,6 +311,8 @@ class HybridEngine:
                                      split_master=self.config.tuning.split_master, keep_grads=self.config.keep_grads,
                                      exact=self.config.exact_logprobs, offload=self.config.offload,
                                      offload_host_limit_bytes=None if limit is None else int(limit * 2**30))
+            if self.config.tuning.expert_parallel_training:  # the experts run on their owners (EP group = TP group)
+                expert_parallel.enable(self._training, self.sharded)
         self._offload.bring_back(stepping=cfg is not None)
         return self._training
 

@@ -139,7 +139,7 @@ def test_checkpoint_errors_name_the_expert_tensor(tmp_path):
         he.load_model(tmp_path)
 
 
-def test_layout_cuts_experts_whole_and_tp_generation_refuses_moe():
+def test_layout_cuts_experts_whole():
     config = qwen3_moe(num_experts=4).config
     specs = he.load_model(config).flat_buffer.layout.specs
     layout = ShardedLayout(specs, world_size=4, tp_size=2, element_size=4)
@@ -157,9 +157,12 @@ def test_layout_cuts_experts_whole_and_tp_generation_refuses_moe():
     odd = next(s for s in he.load_model(qwen3_moe().config).flat_buffer.layout.specs if s.name == gate_up.name)
     with pytest.raises(ValueError, match=r"its 5 experts must divide into tp_size=2 slices of whole experts"):
         ShardedLayout([odd], world_size=2, tp_size=2)
-    with pytest.raises(ValueError, match="tp_size=2: tensor-parallel generation of a mixture-of-experts model"):
-        from hybridengine.model.tensor_parallel import local_config
-        local_config(he.ModelConfig.from_hf(config), 2)
+    # expert-parallel generation (tests/test_moe_parallel.py): a TP rank's model holds 2 of the 4 experts
+    from hybridengine.model.decoder import CausalLM
+    from hybridengine.model.tensor_parallel import local_config
+    local = CausalLM(local_config(he.ModelConfig.from_hf(config), 2), device="meta")
+    assert local.model.layers[0].mlp.experts.gate_up_proj.shape == gate_up.slice_shape(2)
+    assert local.model.layers[0].mlp.gate.weight.shape == (4, 32)  # the router scores every expert
 
 
 # -- training and rollout on the shared buffer ----------------------------------------------------------------

@@ -112,6 +112,10 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     """MoE: coefficient of the load-balancing loss added in training (transformers' formula); transformers adds
     it only with output_router_logits, so a model translated from a config without it has 0."""
+    expert_slices: int = 1
+    """MoE, expert-parallel generation: the model holds num_experts / expert_slices of the routed experts (one
+    TP rank's whole experts; `tensor_parallel.local_config` sets it to tg and `parallelize` their offset), while
+    the router still scores all num_experts. 1: every expert."""
 
     def __post_init__(self):
         if not isinstance(self.model_type, str) or self.model_type not in supported_model_types():
@@ -153,11 +157,21 @@ class ModelConfig:
             if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
                 raise ValueError(f"ModelConfig: moe_intermediate_size={self.moe_intermediate_size} and "
                                  f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1 with experts")
+        if isinstance(self.expert_slices, bool) or not isinstance(self.expert_slices, int) or self.expert_slices < 1:
+            raise ValueError(f"ModelConfig: expert_slices must be an int >= 1, got {self.expert_slices!r}")
+        if self.expert_slices > 1 and (not self.num_experts or self.num_experts % self.expert_slices):
+            raise ValueError(f"ModelConfig: expert_slices={self.expert_slices} must divide num_experts="
+                             f"{self.num_experts} (each slice holds whole experts)")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's feed-forward is the mixture of experts (else the dense MLP)."""
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_local_experts(self) -> int:
+        """The routed experts this model holds (num_experts / expert_slices)."""
+        return self.num_experts // self.expert_slices
 
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer i, or None for full causal attention."""

@@ -13,8 +13,16 @@ attention backend each layer's router logits and choices (`FlatAttention.record_
 load-balancing loss from them, the rollout reports the choices when asked (`EngineConfig.return_routed_experts`).
 
 Exact mode (`EngineConfig.exact_logprobs`) routes and combines by `ops.moe_exact`'s rule: batch-invariant
-routing (ties to the lowest expert id), the batch-invariant grouped GEMMs, the k experts' outputs added in slot order
-in fp32 and rounded once, so that the rollout and the trainer compute a token's bits alike.
+routing (ties to the lowest expert id), the batch-invariant grouped GEMMs, each token's slots added in slot
+order in fp32 within each half of the experts, the two halves added, the shared expert's fp32 term added, and
+one rounding, so that the rollout and the trainer compute a token's bits alike.
+
+Expert parallelism (generation at tg > 1, `tensor_parallel.parallelize`; training with
+`EngineTuning.expert_parallel_training`, `train.expert_parallel`): a rank's `Experts` holds the whole experts
+[first, first + E / tg) and the router, replicated, still scores all E. The rank runs only the assignments to
+its own experts (`grouped_mlp(first=...)`: every rank has every token after attention, so no token moves in
+generation) and the ranks' partial outputs are summed by an all-reduce. In exact mode that sum's tree is the
+one the single device computes (two fp32 halves), so tg 1 and tg 2 give the same bits.
 """
 
 from __future__ import annotations
@@ -24,18 +32,63 @@ from torch import nn
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import MLP, FlatAttention, _FlatOps, _linear, project
-from hybridengine.ops.grouped_gemm import grouped_mlp
-from hybridengine.ops.moe_exact import exact_experts, exact_routing, sigmoid_exact
+from hybridengine.ops.grouped_gemm import grouped_gemm, grouped_mlp, split_bounds
+from hybridengine.ops.moe_exact import EXACT_EXPERT_SPLITS, exact_experts, exact_routing, sigmoid_exact
 from hybridengine.ops.silu_mul import silu_mul
+
+# -- expert parallelism in training: the pieces `train.expert_parallel` runs between its all-to-alls ---------------
+
+
+def expert_outputs(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, group_sizes: list[int],
+                   activation=None, exact: bool = False) -> torch.Tensor:
+    """The SwiGLU MLP of each expert on its rows: rows [M, H] grouped by expert (group_sizes[e] rows of expert
+    e, in order), gate_up [E', 2I, H], down [E', H, I] -> the unweighted, unrounded fp32 down projections [M, H]
+    (`grouped_mlp`'s roundings: gate/up in the rows' dtype). `activation(gate, up)`: the SiLU * up."""
+    inter = gate_up.shape[1] // 2
+    gu = grouped_gemm(rows, gate_up, group_sizes, exact=exact)
+    gate, up = gu[:, :inter], gu[:, inter:]
+    act = activation(gate, up) if activation is not None else torch.nn.functional.silu(gate) * up
+    return grouped_gemm(act.contiguous(), down, group_sizes, exact=exact, out_dtype=torch.float32)
+
+
+def slot_sum_fp32(values: torch.Tensor, order: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """`grouped_mlp`'s combine: fp32 values [M, H] of the assignments `order` (flat index token * k + slot) ->
+    [N, H] fp32, each token's assignments added in slot order (an absent slot adds a zero)."""
+    slots = torch.zeros(num_tokens * top_k, values.shape[1], dtype=torch.float32, device=values.device)
+    slots = slots.index_copy(0, order, values).view(num_tokens, top_k, -1)
+    out = slots[:, 0]
+    for j in range(1, top_k):
+        out = out + slots[:, j]
+    return out
+
+
+def exact_split_bounds(num_experts: int) -> list[int]:
+    """Exact mode: the expert ranges [b[s], b[s + 1]) of the `EXACT_EXPERT_SPLITS` fp32 partials."""
+    return split_bounds(num_experts, min(EXACT_EXPERT_SPLITS, num_experts))
 
 
 class Experts(nn.Module):
-    """The routed experts' stacked weights (declared on the meta device, rebound to buffer views)."""
+    """The routed experts' stacked weights (declared on the meta device, rebound to buffer views): all
+    `num_experts` of the router, or under expert-parallel generation `num_local` of them, the experts
+    [first, first + num_local) (`first` set by `tensor_parallel.parallelize`, which also sums the ranks' parts)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, num_local: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, device="meta"))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, device="meta"))
+        self.num_experts, self.first = num_experts, 0
+        num_local = num_experts if num_local is None else num_local
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inter, hidden, device="meta"))
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden, inter, device="meta"))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, activation=None,
+                exact: bool = False) -> torch.Tensor:
+        """The routed experts' output [N, H] (of this module's experts alone when it holds a slice): in x's
+        dtype; exact mode, the unrounded fp32 sum of `ops.moe_exact` (the caller adds the shared expert and
+        rounds once)."""
+        if exact:
+            return exact_experts(x, self.gate_up_proj, self.down_proj, experts, weights, activation,
+                                 first=self.first, num_experts=self.num_experts)
+        return grouped_mlp(x, self.gate_up_proj, self.down_proj, experts, weights, activation, first=self.first,
+                           num_experts=self.num_experts)
 
 
 class SparseMoeBlock(nn.Module):
@@ -46,7 +99,7 @@ class SparseMoeBlock(nn.Module):
         c = config
         self.num_experts, self.top_k, self.norm_topk_prob = c.num_experts, c.num_experts_per_tok, c.norm_topk_prob
         self.gate = _linear(c.hidden_size, c.num_experts, False)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_local_experts)
         if c.shared_expert_intermediate_size:
             self.shared_expert = MLP(c, intermediate_size=c.shared_expert_intermediate_size)
             self.shared_expert_gate = _linear(c.hidden_size, 1, False)
@@ -71,25 +124,25 @@ class SparseMoeBlock(nn.Module):
         if attn is not None:
             attn.record_routing(layer_idx, logits, experts)
         act = None if silu_mul is None else (lambda g, u: silu_mul(g.contiguous(), u.contiguous()))
+        out = self.experts(x, experts, weights, act, exact)
         if exact:
-            return self._moe_exact(x, experts, weights, act)
-        out = grouped_mlp(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act)
+            return self._exact_total(x, out, act)
         if self.shared_expert is not None:
             shared = self.shared_expert.forward(x) if silu_mul is None else self._shared_flat(x, silu_mul, exact)
             out = out + torch.sigmoid(project(self.shared_expert_gate, x, exact)) * shared
         return out
 
-    def _moe_exact(self, x, experts, weights, act) -> torch.Tensor:
+    def _exact_total(self, x, routed, act) -> torch.Tensor:
         """`ops.moe_exact`'s rule: the routed experts' fp32 sum, plus sigmoid(shared gate) * the shared expert's
-        fp32 down_proj sum (its `EXACT_ROW_SPLITS` halves, as a dense MLP), rounded once to x's dtype.
-        `act(gate, up)`: the caller's SiLU * up (exact mode runs only the flat-token forwards, which give one)."""
-        out = exact_experts(x, self.experts.gate_up_proj, self.experts.down_proj, experts, weights, act)
+        fp32 down_proj sum (its `EXACT_ROW_SPLITS` halves, as a dense MLP; the row-parallel all-reduce under
+        tp_generation = 2), rounded once to x's dtype. `act(gate, up)`: the caller's SiLU * up (exact mode runs
+        only the flat-token forwards, which give one)."""
         if self.shared_expert is not None:
             s = self.shared_expert
             shared = project(s.down_proj, act(project(s.gate_proj, x, True), project(s.up_proj, x, True)),
                              True, True, fp32_sum=True)
-            out = out + sigmoid_exact(project(self.shared_expert_gate, x, True)).float() * shared
-        return out.to(x.dtype)
+            routed = routed + sigmoid_exact(project(self.shared_expert_gate, x, True)).float() * shared
+        return routed.to(x.dtype)
 
     def _shared_flat(self, x, silu_mul, exact):
         s = self.shared_expert

@@ -11,6 +11,11 @@ down_proj), `VocabParallelEmbedding` (masked local lookup + all-reduce), and `Ca
 (`ops.sample_fused(group=)`: each rank reduces its columns, the ranks exchange B x splits x 5
 floats) and all-gathers the logits only for a step that truncates.
 
+Mixture of experts (expert parallelism): TP rank t holds the whole experts [t * E / tg, (t + 1) * E / tg)
+(the layout's ``expert`` role), the router replicated, the shared expert column/row like a dense MLP.
+`ExpertParallelExperts` runs this rank's experts on the tokens routed to them (every rank has every token
+after attention, so no token moves) and all-reduces the partial outputs, as the row-parallel down_proj does.
+
 The all-reduces of a decode step are small ([batch, hidden]) and latency-bound, two per layer. On
 CUDA they go, by default, through torch's symmetric memory (`SymmAllReduce`): the row-parallel GEMM
 writes its output straight into a buffer every TP rank has mapped, and `two_shot_all_reduce_out`
@@ -30,7 +35,10 @@ from torch import nn
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import CausalLM
+from hybridengine.model.moe import Experts, SparseMoeBlock
 from hybridengine.ops.exact_linear import linear_exact
+from hybridengine.ops.grouped_gemm import grouped_mlp
+from hybridengine.ops.moe_exact import exact_experts
 from hybridengine.options import TP_ALL_REDUCE
 
 
@@ -39,10 +47,13 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(config, name) % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide {name}={getattr(config, name)}")
-    if tp_size > 1 and config.num_experts:
-        raise ValueError(f"tp_size={tp_size}: tensor-parallel generation of a mixture-of-experts model needs expert-"
-                         "parallel generation (the layout cuts the experts across TP ranks, role 'expert'), which "
-                         "the engine does not have: use tp_generation=1")
+    if config.num_experts and (config.num_experts % tp_size or config.shared_expert_intermediate_size % tp_size):
+        raise ValueError(f"tp_size={tp_size} (tp_generation) must divide num_experts={config.num_experts} (each TP "
+                         "rank holds whole experts) and shared_expert_intermediate_size="
+                         f"{config.shared_expert_intermediate_size}")
+    if config.expert_slices != 1:
+        raise ValueError(f"local_config: config must be a whole model's (expert_slices=1), got expert_slices="
+                         f"{config.expert_slices}")
     if tp_size > 1 and config.qk_norm_full_width:
         raise ValueError(f"tp_size={tp_size}: q/k norms over the whole projection (qk_norm_full_width) need every "
                          "head's sum of squares, which one rank's heads do not have: use tp_generation=1")
@@ -53,6 +64,8 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
         config, num_attention_heads=config.num_attention_heads // tp_size,
         num_key_value_heads=config.num_key_value_heads // tp_size,
         intermediate_size=config.intermediate_size // tp_size,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // tp_size,
+        expert_slices=tp_size if config.num_experts else 1,
         vocab_size=math.ceil(config.vocab_size / tp_size))
 
 
@@ -198,6 +211,34 @@ class RowParallelLinear(nn.Module):
         return part.to(out_dtype or x.dtype)
 
 
+class ExpertParallelExperts(nn.Module):
+    """A TP rank's routed experts: the whole experts [first, first + E / tg), their outputs for the tokens
+    routed to them (`grouped_mlp(first=...)`), summed over the TP group. Holds the replaced `moe.Experts`'
+    parameters themselves (views of the flat buffer), under their names.
+
+    Exact mode (tg = 2): this rank's fp32 partial, all-reduced in fp32 (one add of two values), unrounded:
+    the bits of the single-device `Experts(exact=True)`, whose two partials are these two halves (the block
+    adds the shared expert and rounds once)."""
+
+    def __init__(self, experts: Experts, first: int, reduce: GroupAllReduce):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        self.num_experts, self.first = experts.num_experts, first
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, activation=None,
+                exact: bool = False) -> torch.Tensor:
+        """`moe.Experts.forward` over the TP group: x's dtype, or in exact mode the unrounded fp32 sum."""
+        if not exact:
+            part = grouped_mlp(x, self.gate_up_proj, self.down_proj, experts, weights, activation,
+                               first=self.first, num_experts=self.num_experts)
+            return self.reduce.all_reduce_(part)
+        part = exact_experts(x, self.gate_up_proj, self.down_proj, experts, weights, activation, first=self.first,
+                             num_experts=self.num_experts)
+        dist.all_reduce(part, group=self.reduce.group)
+        return part
+
+
 class VocabParallelEmbedding(nn.Module):
     """An embedding over this rank's vocabulary rows [first, first + rows): ids outside them look up
     zeros, and the all-reduce over the TP group sums in the rank that holds each id."""
@@ -219,13 +260,19 @@ def parallelize(model: CausalLM, *, vocab_size: int, tp_rank: int, tp_size: int,
                 all_reduce: SymmAllReduce | None = None) -> CausalLM:
     """Install the TP collectives in a model built with `local_config` over its slice of G (through
     `all_reduce` when given, else NCCL/gloo's dist.all_reduce): the row-parallel o_proj and down_proj,
-    the vocab-parallel embedding, and `model.vocab_shard`. Parameter names stay those of the model."""
+    the expert-parallel experts of an MoE layer (and its shared expert's row-parallel down_proj), the
+    vocab-parallel embedding, and `model.vocab_shard`. Parameter names stay those of the model."""
     if tp_size == 1:
         return model
     reduce = all_reduce if all_reduce is not None else GroupAllReduce(group)
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, reduce)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, reduce)
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            mlp.experts = ExpertParallelExperts(mlp.experts, tp_rank * mlp.experts.gate_up_proj.shape[0], reduce)
+            mlp = mlp.shared_expert  # None without one
+        if mlp is not None:
+            mlp.down_proj = RowParallelLinear(mlp.down_proj, reduce)
     rows = model.config.vocab_size  # local rows per rank (padded)
     first = tp_rank * rows
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, first, reduce)

@@ -391,7 +391,7 @@ def grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
             out = out + y[:, j]
         return out.to(out_dtype or x.dtype)
     inner = torch.tensor(split_bounds(num_experts, expert_splits)[1:-1], device=experts.device)
-    split = torch.bucketize(experts, inner, right=True).unsqueeze(-1)  # [N, k, 1]: each slot's range
+    split = torch.bucketize(experts.contiguous(), inner, right=True).unsqueeze(-1)  # [N, k, 1]: each slot's range
     out = None
     for s in range(expert_splits):
         part = torch.where(split[:, 0] == s, y[:, 0], 0.0)

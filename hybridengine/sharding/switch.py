@@ -88,6 +88,7 @@ class _Works:
 class _Prefetch:
     natural: torch.Tensor
     event: torch.cuda.Event | None
+    own_experts: bool = False
 
 
 class ShardedBuffer:
@@ -155,6 +156,10 @@ class ShardedBuffer:
         self._side_stream = torch.cuda.Stream(self.device) if cuda else None  # prefetch all-gathers
         self._unpack_stream = torch.cuda.Stream(self.device) if cuda else None  # their unpacks (tg > 1)
         self._prefetched: dict[int, _Prefetch] = {}
+        self.expert_comm = None
+        """Expert-parallel training (`expert_comm.ExpertComm`, set by `train.expert_parallel.enable`): the
+        trainer's gathers of a unit with experts bring only this rank's own experts, and its gradients reduce
+        among their owners."""
         # NCCL group calls (one launch for several units' all-gathers) need the NCCL backend.
         self._coalesce = (cuda and self.micro_dp_group is not None
                           and dist.get_backend(self.micro_dp_group) == "nccl")
@@ -350,9 +355,12 @@ class ShardedBuffer:
             launch_segment_copy(natural, packed, self._table(u, pack=True))
         return packed
 
-    def _gather_packed(self, u: int) -> torch.Tensor:
-        """Unit u slice-major (all-gathered from every rank), or its natural view when no copy is needed."""
+    def _gather_packed(self, u: int, own_experts: bool = False) -> torch.Tensor:
+        """Unit u slice-major (all-gathered from every rank), or its natural view when no copy is needed.
+        `own_experts` (expert-parallel training): of the experts only this rank's own (`expert_comm`)."""
         unit = self.layout.units[u]
+        if own_experts and self._own_experts(u):
+            return self.expert_comm.gather_packed(u)
         if self.world_size == 1 and self.layout.tp_size == 1:
             return self.gen.unit_slice(u)[:unit.natural_numel]  # the shard is the whole unit: zero-copy
         full = torch.empty(unit.numel, dtype=self.gen.data.dtype, device=self.device)
@@ -366,24 +374,29 @@ class ShardedBuffer:
         launch_segment_copy(full, natural, self._table(u, pack=False), max_blocks)
         return natural
 
-    def _gather(self, u: int) -> torch.Tensor:
-        full = self._gather_packed(u)
+    def _own_experts(self, u: int) -> bool:
+        return self.expert_comm is not None and u in self.expert_comm.units
+
+    def _gather(self, u: int, own_experts: bool = False) -> torch.Tensor:
+        full = self._gather_packed(u, own_experts)
         return self._unpack_unit(u, full) if self.layout.tp_size > 1 else full
 
     def prefetch_unit(self, u: int) -> None:
-        """Start gathering unit u (CUDA: on a side stream, so it overlaps the current unit's compute).
-        A unit already prefetched, or an index past either end, is a no-op.
+        """Start gathering unit u for the trainer (CUDA: on a side stream, so it overlaps the current unit's
+        compute); with `expert_comm`, of its experts only this rank's own. A unit already prefetched, or an
+        index past either end, is a no-op.
 
         With tg > 1 the unpack to natural layout runs on a third stream: the side stream's next
         all-gather does not queue behind it, so consecutive prefetches pipeline gather and unpack."""
         if u in self._prefetched or not 0 <= u < len(self.layout.units):
             return
+        own = self._own_experts(u)
         if self._side_stream is None:
-            self._prefetched[u] = _Prefetch(self._gather(u), None)
+            self._prefetched[u] = _Prefetch(self._gather(u, own), None, own)
             return
         self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side_stream):
-            natural = self._gather_packed(u)
+            natural = self._gather_packed(u, own)
         last = self._side_stream
         if self.layout.tp_size > 1:
             full, last = natural, self._unpack_stream
@@ -393,18 +406,21 @@ class ShardedBuffer:
             full.record_stream(last)
         event = torch.cuda.Event()
         event.record(last)
-        self._prefetched[u] = _Prefetch(natural, event)
+        self._prefetched[u] = _Prefetch(natural, event, own)
 
     def clear_prefetch(self) -> None:
         """Drop prefetched units not used (they would be stale after the next optimizer step)."""
         self._prefetched.clear()
 
-    def gather_unit(self, u: int) -> torch.Tensor:
-        """Unit u's parameters in natural layout (a transient buffer); use `natural_view` for each one."""
+    def gather_unit(self, u: int, own_experts: bool = False) -> torch.Tensor:
+        """Unit u's parameters in natural layout (a transient buffer); use `natural_view` for each one.
+        `own_experts` (the trainer's layers): with `expert_comm`, of the experts only this rank's own, the
+        others zero."""
         self._expect("training", "gather_unit")
+        own = own_experts and self._own_experts(u)
         pre = self._prefetched.pop(u, None)
-        if pre is None:
-            return self._gather(u)
+        if pre is None or pre.own_experts != own:
+            return self._gather(u, own)
         if pre.event is not None:
             torch.cuda.current_stream(self.device).wait_event(pre.event)
             pre.natural.record_stream(torch.cuda.current_stream(self.device))
@@ -426,6 +442,9 @@ class ShardedBuffer:
             packed = natural_grad  # caller allocated the padded unit: no copy at all
         else:
             packed = self.pack_unit(u, natural_grad)
+        if self._own_experts(u):  # the trainer's gradients: other slices' experts are zero on this rank
+            self.expert_comm.reduce_scatter(u, packed, out)
+            return None
         if self.world_size == 1:
             out.copy_(packed[:unit.shard_numel])
             return None

@@ -95,7 +95,7 @@ class GatheredModel:
         for i in range(self.config.num_hidden_layers):
             u = self.units[f"layers.{i}"]
             self.sharded.prefetch_unit(u + 1)
-            natural = self.sharded.gather_unit(u)
+            natural = self.sharded.gather_unit(u, own_experts=True)
             if keep_inputs:
                 inputs.append(x)
             x, _ = self.layer(i, natural, x, cos, sin, attn, grad=False)
@@ -112,7 +112,7 @@ class GatheredModel:
         for i in range(self.config.num_hidden_layers):
             u = self.units[f"layers.{i}"]
             self.sharded.prefetch_unit(u + 1)
-            natural = self.sharded.gather_unit(u)
+            natural = self.sharded.gather_unit(u, own_experts=True)
             xi = x.detach().requires_grad_(True)
             slots = ReleasedParams(self.layer_params(i, natural, grad=True), natural, self.layout, layer_prefix(i))
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(slots.pack, slots.unpack):

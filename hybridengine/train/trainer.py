@@ -519,7 +519,7 @@ class Trainer:
             u = model.units[f"layers.{i}"]
             if i > 0:
                 self.sharded.prefetch_unit(u - 1)
-            natural = self.sharded.gather_unit(u)
+            natural = self.sharded.gather_unit(u, own_experts=True)
             if graphs is None:
                 xi = inputs[i].detach().requires_grad_(True)
                 with torch.enable_grad():
