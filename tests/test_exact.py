@@ -182,10 +182,10 @@ def test_exact_logprobs_are_the_models_up_to_fp32_rounding(name, kernels):
             f"off (allowed {K} x that + {floor:.2g})")
 
 
-def _sharded_worker(rank, world, init_file, tp, expected, errors):
+def _sharded_worker(rank, world, init_file, tp, expected, name, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank}"):
-        engine = engine_for(tp=tp, device="cpu")
+        engine = engine_for(name, tp=tp, device="cpu")
         seqs = completions(generate(engine, prompts(128), sampled()))
         got = [lp for _, _, lp in seqs]
         if got != expected:
@@ -214,7 +214,35 @@ def test_sharded_ranks_and_tp_give_the_single_process_bits(world, tp):
     rank's trainer (ZeRO-3 shards, this rank's micro-batches) computes them again exactly."""
     engine = engine_for(device="cpu")
     expected = [lp for _, _, lp in completions(generate(engine, prompts(128), sampled()))]
-    spawn(_sharded_worker, world, tp, expected)
+    spawn(_sharded_worker, world, tp, expected, "tiny-qwen2")
+
+
+def test_tp_bits_with_a_hidden_size_under_one_column_chunk():
+    """tg = 2 with hidden_size 32: o_proj's and down_proj's partials are narrower than the torch path's 64-column
+    chunk (`exact_linear.COL_CHUNK`) and span several rows, so a partial that was a strided slice of the padded
+    chunk products went into the all-reduce as it stood, and the all-reduce summed the wrong elements. The
+    rollout's log-probs are one process's, bit for bit, and the trainer's."""
+    narrow = he.model_config("tiny-qwen2")
+    narrow.hidden_size = 32  # head_dim 8
+    expected = [lp for _, _, lp in completions(generate(engine_for(narrow, device="cpu"), prompts(128), sampled()))]
+    spawn(_sharded_worker, 2, 2, expected, narrow)
+
+
+def _strided_sum_worker(rank, world, init_file, errors):
+    from hybridengine.model.tensor_parallel import all_reduce_fp32
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    with reporting(errors, f"rank {rank}"):
+        padded = torch.arange(4 * 8, dtype=torch.float32).view(4, 8) * (rank + 1)
+        part = padded[:3, :5]  # rows of a padded product: not contiguous
+        got = all_reduce_fp32(part, None)
+        assert torch.equal(got, padded[:3, :5] / (rank + 1) * 3), got
+
+
+def test_a_strided_partial_is_summed_whole():
+    """`all_reduce_fp32` sums every element of a strided partial (gloo alone reduces `numel` elements from the
+    data pointer: here the first row and part of the second)."""
+    spawn(_strided_sum_worker, 2)
 
 
 @pytest.mark.parametrize("exact", [False, True])

@@ -127,6 +127,17 @@ def test_tensor_parallel_partials(device, path, dtype, with_bias):
     assert torch.equal(tp.to(dtype), linear_exact(x, w, bias, k_splits=2))
 
 
+@pytest.mark.parametrize("rows,n", [(17, 32), (3, N), (16, 64), (1, 40)])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_output_is_contiguous(device, path, rows, n, out_dtype):
+    """The result is a contiguous [M, N] for any M and N, not a slice of the torch path's padded chunk products:
+    a row-parallel partial (`k_splits=1, out_dtype=fp32`) goes straight into the TP all-reduce, which reduces
+    `numel` elements from the data pointer whatever the strides."""
+    x, w, _ = _inputs(device, torch.bfloat16, rows=rows, k=K // 2, n=n)
+    y = linear_exact(x, w, out_dtype=out_dtype)
+    assert y.shape == (rows, n) and y.is_contiguous(), y.stride()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_leading_dims_and_strides(device, path, dtype):
     """x [B, T, K] is its rows flattened; x with a non-unit last stride is made contiguous; a weight that is a

@@ -86,6 +86,16 @@ class GroupAllReduce:
         return x
 
 
+def all_reduce_fp32(part: torch.Tensor, group) -> torch.Tensor:
+    """An exact-mode fp32 partial summed over the TP group (one add of two values at tg = 2), in place where
+    `part` is contiguous, else in a contiguous copy (returned). gloo reduces `numel` elements from the data
+    pointer whatever the strides: a strided partial would have elements outside it summed and some of its own
+    left as this rank's, without an error."""
+    part = part.contiguous()
+    dist.all_reduce(part, group=group)
+    return part
+
+
 class SymmAllReduce(GroupAllReduce):
     """Sum all-reduce over a TP group through torch symmetric memory (CUDA, one node).
 
@@ -206,8 +216,7 @@ class RowParallelLinear(nn.Module):
         """out_dtype (exact mode): the sum's dtype, default x's (torch.float32: unrounded, as `linear_exact`)."""
         if not exact:
             return self.reduce.linear(x, self.weight)
-        part = linear_exact(x, self.weight, out_dtype=torch.float32)
-        dist.all_reduce(part, group=self.reduce.group)
+        part = all_reduce_fp32(linear_exact(x, self.weight, out_dtype=torch.float32), self.reduce.group)
         return part.to(out_dtype or x.dtype)
 
 
@@ -235,8 +244,7 @@ class ExpertParallelExperts(nn.Module):
             return self.reduce.all_reduce_(part)
         part = exact_experts(x, self.gate_up_proj, self.down_proj, experts, weights, activation, first=self.first,
                              num_experts=self.num_experts)
-        dist.all_reduce(part, group=self.reduce.group)
-        return part
+        return all_reduce_fp32(part, self.reduce.group)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -102,7 +102,9 @@ def linear_exact_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        k_splits: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`linear_exact` of x [M, K] in torch ops (the exact mode's path without the kernel): per K split,
     fp32 sums of products (`_chunk_products`); the partials added in split order, then the bias as fp32,
-    then one rounding to `out_dtype`."""
+    then one rounding to `out_dtype`. Returns a contiguous [M, N], as the kernel does, not the slice of the
+    zero-padded chunk products [16 * ceil(M / 16), 64 * ceil(N / 64)]: a row-parallel partial goes straight
+    into the TP all-reduce, and gloo reduces `numel` elements from the data pointer whatever the strides."""
     M, K = x.shape
     if M == 0 or weight.shape[0] == 0:
         return torch.empty(M, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
@@ -112,7 +114,7 @@ def linear_exact_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         total = total + _chunk_products(x[:, s * split:(s + 1) * split], weight[:, s * split:(s + 1) * split])
     if bias is not None:
         total = total + bias.float()
-    return total.to(out_dtype or x.dtype)
+    return total.to(out_dtype or x.dtype).contiguous()
 
 
 def linear_exact_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -303,9 +305,9 @@ def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     device with unit stride along K (any row stride: a view into a flat buffer will do), bias [N] or None.
     K is cut into `k_splits` equal ranges, each summed in fp32 from zero in k order, the partials added in
     order, the bias added in fp32, and the sum rounded once to `out_dtype` (default x's dtype; fp32 returns
-    the unrounded sum). Returns [..., N]. The Triton kernel runs where `_launch.use_kernel` says so (CUDA),
-    the torch path elsewhere: each is batch-invariant, the two need not agree bit for bit. Differentiable
-    in x, weight and bias (the backward is F.linear's matmuls in x's dtype)."""
+    the unrounded sum). Returns a contiguous [..., N]. The Triton kernel runs where `_launch.use_kernel` says so
+    (CUDA), the torch path elsewhere: each is batch-invariant, the two need not agree bit for bit.
+    Differentiable in x, weight and bias (the backward is F.linear's matmuls in x's dtype)."""
     _check("linear_exact", x, weight, bias, k_splits, out_dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
