@@ -229,19 +229,20 @@ def test_tp_bits_with_a_hidden_size_under_one_column_chunk():
 
 
 def _strided_sum_worker(rank, world, init_file, errors):
-    from hybridengine.model.tensor_parallel import all_reduce_fp32
+    from hybridengine.model.tensor_parallel import GroupAllReduce, all_reduce_fp32
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     with reporting(errors, f"rank {rank}"):
-        padded = torch.arange(4 * 8, dtype=torch.float32).view(4, 8) * (rank + 1)
-        part = padded[:3, :5]  # rows of a padded product: not contiguous
-        got = all_reduce_fp32(part, None)
-        assert torch.equal(got, padded[:3, :5] / (rank + 1) * 3), got
+        for reduce in (lambda t: all_reduce_fp32(t, None), GroupAllReduce(None).all_reduce_):
+            padded = torch.arange(4 * 8, dtype=torch.float32).view(4, 8) * (rank + 1)
+            part = padded[:3, :5]  # rows of a padded product: not contiguous
+            got = reduce(part)
+            assert torch.equal(got, padded[:3, :5] / (rank + 1) * 3), got
 
 
 def test_a_strided_partial_is_summed_whole():
-    """`all_reduce_fp32` sums every element of a strided partial (gloo alone reduces `numel` elements from the
-    data pointer: here the first row and part of the second)."""
+    """`all_reduce_fp32` and `GroupAllReduce.all_reduce_` sum every element of a strided partial (gloo alone
+    reduces `numel` elements from the data pointer: here the first row and part of the second)."""
     spawn(_strided_sum_worker, 2)
 
 

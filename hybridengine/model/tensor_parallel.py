@@ -82,6 +82,9 @@ class GroupAllReduce:
         return out
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, in place where x is contiguous, else in a contiguous copy (returned: gloo
+        reduces `numel` elements from the data pointer whatever the strides, as `all_reduce_fp32` says)."""
+        x = x.contiguous()
         dist.all_reduce(x, group=self.group)
         return x
 
