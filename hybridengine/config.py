@@ -62,9 +62,10 @@ class EngineTuning:
     expert_parallel_training: bool = False
     """Mixture of experts at tp_generation > 1: training runs each routed expert on the rank that owns it (the
     EP group is the TP group; tokens go to the owners and back by all-to-all, `train.expert_parallel`) instead
-    of every rank running every expert on its own tokens. The same loss and gradients up to the rounding of
-    the experts' GEMMs over other row groupings (exact mode: the same bits). The weights still arrive as the
-    whole layer's all-gather (docs/moe.md)."""
+    of every rank running every expert on its own tokens; a layer's gather brings only the rank's own experts
+    and their gradients are reduced among their owners (`sharding.expert_comm`). The same loss and gradients
+    up to the rounding of the experts' GEMMs over other row groupings (exact mode: the same bits;
+    docs/moe.md)."""
 
     def __post_init__(self):
         op = "EngineTuning"

@@ -32,40 +32,9 @@ from torch import nn
 
 from hybridengine.model.config import ModelConfig
 from hybridengine.model.decoder import MLP, FlatAttention, _FlatOps, _linear, project
-from hybridengine.ops.grouped_gemm import grouped_gemm, grouped_mlp, split_bounds
-from hybridengine.ops.moe_exact import EXACT_EXPERT_SPLITS, exact_experts, exact_routing, sigmoid_exact
+from hybridengine.ops.grouped_gemm import grouped_mlp
+from hybridengine.ops.moe_exact import exact_experts, exact_routing, sigmoid_exact
 from hybridengine.ops.silu_mul import silu_mul
-
-# -- expert parallelism in training: the pieces `train.expert_parallel` runs between its all-to-alls ---------------
-
-
-def expert_outputs(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, group_sizes: list[int],
-                   activation=None, exact: bool = False) -> torch.Tensor:
-    """The SwiGLU MLP of each expert on its rows: rows [M, H] grouped by expert (group_sizes[e] rows of expert
-    e, in order), gate_up [E', 2I, H], down [E', H, I] -> the unweighted, unrounded fp32 down projections [M, H]
-    (`grouped_mlp`'s roundings: gate/up in the rows' dtype). `activation(gate, up)`: the SiLU * up."""
-    inter = gate_up.shape[1] // 2
-    gu = grouped_gemm(rows, gate_up, group_sizes, exact=exact)
-    gate, up = gu[:, :inter], gu[:, inter:]
-    act = activation(gate, up) if activation is not None else torch.nn.functional.silu(gate) * up
-    return grouped_gemm(act.contiguous(), down, group_sizes, exact=exact, out_dtype=torch.float32)
-
-
-def slot_sum_fp32(values: torch.Tensor, order: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """`grouped_mlp`'s combine: fp32 values [M, H] of the assignments `order` (flat index token * k + slot) ->
-    [N, H] fp32, each token's assignments added in slot order (an absent slot adds a zero)."""
-    slots = torch.zeros(num_tokens * top_k, values.shape[1], dtype=torch.float32, device=values.device)
-    slots = slots.index_copy(0, order, values).view(num_tokens, top_k, -1)
-    out = slots[:, 0]
-    for j in range(1, top_k):
-        out = out + slots[:, j]
-    return out
-
-
-def exact_split_bounds(num_experts: int) -> list[int]:
-    """Exact mode: the expert ranges [b[s], b[s + 1]) of the `EXACT_EXPERT_SPLITS` fp32 partials."""
-    return split_bounds(num_experts, min(EXACT_EXPERT_SPLITS, num_experts))
-
 
 class Experts(nn.Module):
     """The routed experts' stacked weights (declared on the meta device, rebound to buffer views): all

@@ -362,7 +362,7 @@ def grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
     num_experts = gate_up.shape[0] if num_experts is None else num_experts
     _check_mlp(x, gate_up, down, experts, weights, exact, out_dtype, first, num_experts, expert_splits)
     num_tokens, top_k = experts.shape
-    E, inter, hidden = gate_up.shape[0], gate_up.shape[1] // 2, x.shape[1]
+    E, hidden = gate_up.shape[0], x.shape[1]
     flat = experts.reshape(-1)
     partial = first != 0 or E != num_experts
     if partial:  # the other ranks' experts sort last, as one more group that no GEMM runs
@@ -375,21 +375,44 @@ def grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
     rows = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, hidden)[order]
     if partial:
         rows = rows[:int(bounds[-1])]
-    gu = _run(rows, gate_up, sizes, exact, x.dtype)
-    gate, up = gu[:, :inter], gu[:, inter:]
-    act = silu_mul(gate, up) if silu_mul is not None else torch.nn.functional.silu(gate) * up
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = _run(act.contiguous(), down, sizes, exact, acc)
+    y = expert_mlp(rows, gate_up, down, sizes, silu_mul, exact=exact)
     if partial:
         y = torch.cat([y, y.new_zeros(order.numel() - y.shape[0], hidden)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    y = y[inverse].view(num_tokens, top_k, hidden) * weights.to(acc).unsqueeze(-1)
+    out = combine_slots(y[inverse].view(num_tokens, top_k, hidden), experts, weights, num_experts, expert_splits)
+    return out.to(out_dtype or x.dtype)
+
+
+def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, group_sizes, silu_mul=None, *,
+               exact: bool = False) -> torch.Tensor:
+    """Each expert's SwiGLU MLP on its rows: rows [M, H] grouped by expert (group_sizes[e] rows of expert e, in
+    order; a list or an integer tensor), gate_up [E', 2I, H], down [E', H, I] -> the unweighted down projections
+    [M, H], unrounded in fp32 (fp64 for fp64 rows); gate/up is rounded to the rows' dtype (the activation's
+    input). `grouped_mlp` runs it on the sorted assignments, expert-parallel training on the rows its
+    all-to-all brings."""
+    inter = gate_up.shape[1] // 2
+    gu = _run(rows, gate_up, group_sizes, exact, rows.dtype)
+    gate, up = gu[:, :inter], gu[:, inter:]
+    act = silu_mul(gate, up) if silu_mul is not None else torch.nn.functional.silu(gate) * up
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    return _run(act.contiguous(), down, group_sizes, exact, acc)
+
+
+def combine_slots(y: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                  expert_splits: int = 1) -> torch.Tensor:
+    """`grouped_mlp`'s sum: y [N, k, H] (each slot's unweighted expert output, fp32 or fp64; zero for a slot
+    computed elsewhere), experts int64 [N, k], weights [N, k] -> [N, H] in y's dtype, unrounded: each slot
+    times its weight, the slots added in order, (r0 + r1) + r2 ...; with `expert_splits` = S > 1 per range of
+    `split_bounds(num_experts, S)` (a slot outside the range adds zero), the S partials added in range order.
+    Expert-parallel training combines the rows its all-to-all brings back by the same function."""
+    y = y * weights.to(y.dtype).unsqueeze(-1)
+    top_k = y.shape[1]
     if expert_splits == 1:
         out = y[:, 0]
         for j in range(1, top_k):
             out = out + y[:, j]
-        return out.to(out_dtype or x.dtype)
+        return out
     inner = torch.tensor(split_bounds(num_experts, expert_splits)[1:-1], device=experts.device)
     split = torch.bucketize(experts.contiguous(), inner, right=True).unsqueeze(-1)  # [N, k, 1]: each slot's range
     out = None
@@ -398,7 +421,7 @@ def grouped_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
         for j in range(1, top_k):
             part = part + torch.where(split[:, j] == s, y[:, j], 0.0)
         out = part if out is None else out + part
-    return out.to(out_dtype or x.dtype)
+    return out
 
 
 def implementations(device_type: str) -> dict[str, str]:

@@ -42,6 +42,11 @@ LANE_PAD = 64
 the scalar tail of torch's vectorized CPU loops, whose exp rounds some values the other way."""
 
 
+def exact_splits(num_experts: int) -> int:
+    """Step 5's number of expert ranges for a layer of `num_experts` (a single expert is one range)."""
+    return min(EXACT_EXPERT_SPLITS, num_experts)
+
+
 def exact_routing(probs: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """probs fp32 [N, E] -> (weights fp32 [N, k], experts int64 [N, k]): steps 2-3 of the module's rule."""
     top, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -65,7 +70,7 @@ def exact_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
     [first, first + E') of num_experts (an expert-parallel rank's range: its one partial, `grouped_mlp`'s)."""
     num_experts = gate_up.shape[0] if num_experts is None else num_experts
     whole = first == 0 and gate_up.shape[0] == num_experts
-    splits = min(EXACT_EXPERT_SPLITS, num_experts) if whole else 1
+    splits = exact_splits(num_experts) if whole else 1
     return grouped_mlp(x, gate_up, down, experts, weights, silu_mul, exact=True, out_dtype=torch.float32,
                        first=first, num_experts=num_experts, expert_splits=splits)
 

@@ -20,10 +20,8 @@ travels in two steps instead of one all-gather over all N ranks:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from hybridengine.sharding.switch import _all_gather, _reduce_scatter
 
 
 class ExpertComm:

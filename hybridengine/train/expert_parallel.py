@@ -6,10 +6,10 @@ share the index j inside their slice): EP rank t owns the experts [t * E / tg, (
 of TP slice t, which the layout already keeps together (role ``expert``, whole experts per slice). In a
 layer's forward every rank routes its own tokens (the router is replicated), sends each (token, expert)
 assignment's row to the expert's owner (`all_to_all_single` over the EP group), runs its own experts on
-the rows it receives (`moe.expert_outputs`, grouped by expert), and sends the fp32 outputs back; the token's
-rank weights and adds them as `grouped_mlp` does (slot order, one rounding; exact mode: the fp32 halves of
-`Experts`, so the bits are the rollout's). The all-to-alls are differentiable (`AllToAll`): the backward
-sends the output gradients to the owners and the input gradients back.
+the rows it receives (`ops.grouped_gemm.expert_mlp`, grouped by expert), and sends the fp32 outputs back;
+the token's rank weights and adds them by `grouped_mlp`'s sum (`combine_slots`: slot order, one rounding;
+exact mode: the fp32 halves of `Experts`, so the bits are the rollout's). The all-to-alls are differentiable
+(`AllToAll`): the backward sends the output gradients to the owners and the input gradients back.
 
 `enable` applies it from outside, as `tensor_parallel.parallelize` does for generation: it installs
 `ExpertParallelTraining` in the trainer's module skeleton (`apply_expert_parallel`) and `ExpertComm` in the
@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridengine.model.moe import Experts, SparseMoeBlock, exact_split_bounds, expert_outputs, slot_sum_fp32
+from hybridengine.model.moe import Experts, SparseMoeBlock
+from hybridengine.ops.grouped_gemm import combine_slots, expert_mlp
+from hybridengine.ops.moe_exact import exact_splits
 from hybridengine.sharding.expert_comm import ExpertComm
 
 
@@ -81,21 +83,15 @@ class ExpertParallelTraining(nn.Module):
             by_expert = torch.argsort(local, stable=True)
             sizes = torch.bincount(local, minlength=self.num_local).tolist()
         lo, hi = self.first, self.first + self.num_local
-        y = expert_outputs(rows[by_expert], self.gate_up_proj[lo:hi], self.down_proj[lo:hi], sizes, activation,
-                           exact)
+        y = expert_mlp(rows[by_expert], self.gate_up_proj[lo:hi], self.down_proj[lo:hi], sizes, activation,
+                       exact=exact)
         y = torch.empty_like(y).index_copy(0, by_expert, y)  # back to the order received
         back = AllToAll.apply(y, recv, send, self.group)  # this rank's assignments, in `order`: fp32
-        values = back * weights.reshape(-1)[order].unsqueeze(1).float()
+        slots = torch.empty_like(back).index_copy(0, order, back).view(num_tokens, top_k, -1)
         if not exact:  # grouped_mlp's sum: slot order, rounded once
-            return slot_sum_fp32(values, order, num_tokens, top_k).to(x.dtype)
-        out = None  # the halves of `Experts(exact=True)`: the same fp32 partials, added once, unrounded
-        expert_of = flat[order]
-        bounds = exact_split_bounds(self.num_experts)
-        for b0, b1 in zip(bounds, bounds[1:]):
-            sel = torch.nonzero((expert_of >= b0) & (expert_of < b1)).squeeze(1)
-            part = slot_sum_fp32(values[sel], order[sel], num_tokens, top_k)
-            out = part if out is None else out + part
-        return out
+            return combine_slots(slots, experts, weights, self.num_experts).to(x.dtype)
+        # the halves of `Experts(exact=True)`: the same fp32 partials, added once, unrounded
+        return combine_slots(slots, experts, weights, self.num_experts, exact_splits(self.num_experts))
 
 
 def apply_expert_parallel(skeleton: nn.Module, group, ep_rank: int, ep_size: int) -> int:
